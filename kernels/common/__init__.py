@@ -1,0 +1,1 @@
+"""Pieces shared by every kernel family."""
