@@ -14,8 +14,8 @@ def pad_tokens(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 def split_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """[B, T, HV, D] with T a multiple of ``chunk_size`` -> [B, HV, T / chunk_size, chunk_size, D]."""
-    B, T, HV = x.shape[:3]
-    return x.reshape(B, T // chunk_size, chunk_size, HV, -1).permute(0, 3, 1, 2, 4)
+    B, T, HV, D = x.shape
+    return x.reshape(B, T // chunk_size, chunk_size, HV, D).permute(0, 3, 1, 2, 4)
 
 
 def pairwise_decayed(xs, y: torch.Tensor, G: torch.Tensor, block_elems: int = 1 << 23):
@@ -41,7 +41,7 @@ def pairwise_decayed(xs, y: torch.Tensor, G: torch.Tensor, block_elems: int = 1 
     xs, y, G = [flat(x) for x in xs], flat(y), flat(G)
     step = max(1, block_elems // (C * C * y.shape[-1]))
     blocks = []
-    for i in range(0, y.shape[0], step):
+    for i in range(0, max(y.shape[0], 1), step):  # one (empty) block when there are no chunks
         yd = decay(G[i:i + step]) * y[i:i + step, None, :, :]  # [b, t, s, K]
         blocks.append([torch.einsum("btk,btsk->bts", x[i:i + step], yd) for x in xs])
     return tuple(torch.cat(parts).reshape(*lead, C, C) for parts in zip(*blocks))

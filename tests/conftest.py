@@ -1,0 +1,71 @@
+"""Shared test helpers: the float64 oracle, poisoned pools, tolerances, and the gpu marker."""
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter; it is read when triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cula_serve.inputs import random_inputs, relative_error, to_float64
+
+# The oracle: the torch backend's token-by-token recurrence in float64 (DESIGN section 7).
+ORACLE = dict(backend="torch", algorithm="recurrent", compute_dtype=torch.float64)
+
+SMALL = dict(H=2, HV=4, K=16, V=8)  # GVA: two value heads per qk head
+SMALL_MHA = dict(H=3, HV=3, K=8, V=16)
+
+
+def tolerance(input_dtype: torch.dtype, state_dtype: torch.dtype) -> float:
+    """DESIGN section 7: 1e-5 for float32 paths, 5e-3 bf16 inputs + fp32 state, 2e-2 bf16 state."""
+    if state_dtype == torch.bfloat16:
+        return 2e-2
+    if input_dtype in (torch.bfloat16, torch.float16):
+        return 5e-3
+    return 1e-5
+
+
+def poisoned_pool(P, HV, V, K, dtype, live_slots, generator) -> torch.Tensor:
+    """A pool that is NaN everywhere except ``live_slots``, which hold random states."""
+    pool = torch.full((P, HV, V, K), float("nan"), dtype=dtype)
+    for slot in live_slots:
+        pool[slot] = (0.5 * torch.randn(HV, V, K, generator=generator)).to(dtype)
+    return pool
+
+
+def oracle_pool(pool: torch.Tensor) -> torch.Tensor:
+    return pool.double().clone()
+
+
+def assert_close(out, ref, tol, what="output"):
+    err = relative_error(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:g}"
+
+
+def assert_untouched(pool, untouched_slots):
+    """Slots that must not have been written are still all NaN."""
+    for slot in untouched_slots:
+        assert torch.isnan(pool[slot].float()).all(), f"slot {slot} was written"
+
+
+@pytest.fixture
+def generator(request):
+    # a fresh but reproducible stream per test: different tests draw different inputs
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+__all__ = ["ORACLE", "SMALL", "SMALL_MHA", "assert_close", "assert_untouched", "oracle_pool", "poisoned_pool",
+           "random_inputs", "relative_error", "to_float64", "tolerance"]

@@ -1,0 +1,48 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cula_serve import BackendUnavailableError, cula_gdn, dispatch
+
+from conftest import random_inputs
+
+
+def test_table_prefers_cute_then_triton_on_hopper():
+    assert dispatch.TABLE[("prefill", (9, 0))] == ("cute", "triton", "torch")
+    assert dispatch.preference("decode", torch.device("cpu")) == ("torch",)
+
+
+def test_cpu_runs_on_torch_and_status_is_cached():
+    assert dispatch.backend_status("torch", torch.device("cpu"))[0].NAME == "torch"
+    assert dispatch.backend_status("torch", torch.device("cpu")) is dispatch.backend_status("torch", torch.device("cpu"))
+
+
+def test_named_backend_errors(monkeypatch):
+    kw = random_inputs("gdn", (1, 4), H=1, HV=1, K=4, V=4)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        cula_gdn(**kw, backend="cuda")
+    monkeypatch.setenv("CULA_BACKEND", "nope")
+    with pytest.raises(ValueError, match="CULA_BACKEND"):
+        cula_gdn(**kw)
+    monkeypatch.setenv("CULA_BACKEND", "cute")
+    with pytest.raises(BackendUnavailableError, match="cute"):
+        cula_gdn(**kw)
+    monkeypatch.delenv("CULA_BACKEND")
+    o, _ = cula_gdn(**kw, backend="torch", algorithm="recurrent")
+    assert o.shape == (1, 4, 1, 4)
+
+
+def test_unsupported_dtype_names_the_backend():
+    kw = random_inputs("gdn", (1, 4), H=1, HV=1, K=4, V=4)
+    pool = torch.zeros(1, 1, 4, 4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="state dtype"):
+        cula_gdn(**kw, state_pool=pool, state_indices=torch.tensor([0]), backend="torch")
+
+
+def test_info_command_lists_every_backend():
+    result = subprocess.run([sys.executable, "-m", "cula_serve", "info"], capture_output=True, text=True, check=True)
+    for name in ("cute", "triton", "torch", "prefill", "decode", "verify", "commit"):
+        assert name in result.stdout
+    assert "torch   available" in result.stdout
