@@ -1,0 +1,22 @@
+"""``python -m bench_serving kernels``: see bench_serving/kernels.py."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench_serving", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    kernels = sub.add_parser("kernels", help="every operation, backend and installed peer at the model shapes")
+    kernels.add_argument("--filter", default="", help="only cases whose name contains all these words")
+    kernels.add_argument("--out-dir", default="bench_results", help="where kernels.json and kernels.png go")
+    kernels.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from . import kernels as kernels_bench
+
+    return kernels_bench.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""``python -m bench_serving kernels``: every operation on every available backend and installed peer.
+
+For each case, every candidate first runs once on the same inputs and is compared with the torch
+reference backend (outputs and final states, relative error <= 5e-3, DESIGN section 7); one that
+disagrees is reported as wrong and not timed. Prefill reports ns per token-head, decode TB/s of
+state traffic (one read and one write of every live state); both report the ratio to FLA measured
+in this process.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from cula_serve import cula_decode, cula_gdn, cula_kda, cula_lightning, dispatch
+from cula_serve.inputs import random_inputs, relative_error
+
+from . import peers
+from .cases import Case, cpu_cases, gpu_cases
+from .timing import time_call
+
+PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
+AGREEMENT = 5e-3
+
+
+def _inputs(case: Case, device, generator):
+    lead = (1, sum(case.seqlens)) if case.op == "prefill" else (case.batch, 1)
+    kw = random_inputs(case.mode, lead, H=case.H, HV=case.HV, K=case.K, V=case.V, device=device,
+                       fused_gate=False, generator=generator)
+    n = len(case.seqlens) if case.op == "prefill" else case.batch
+    # a pool with spare slots and permuted indices, as an engine's would be
+    pool = 0.1 * torch.randn(2 * n, case.HV, case.V, case.K, generator=generator).to(device)
+    slots = torch.randperm(2 * n, generator=generator)[:n].to(torch.int32).to(device)
+    return kw, pool, slots
+
+
+def _cula_call(case, kw, pool, slots, backend, **extra):
+    if case.op == "prefill":
+        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], dtype=torch.int32, device=pool.device)
+
+        def run():
+            return PREFILL[case.mode](**kw, cu_seqlens=cu, state_pool=pool, state_indices=slots, backend=backend,
+                                      **extra)[0]
+    else:
+        qkv = {k: kw[k] for k in ("q", "k", "v")}
+        rest = {k: v for k, v in kw.items() if k not in qkv}
+
+        def run():
+            return cula_decode(**qkv, state_pool=pool, mode=case.mode, state_indices=slots, backend=backend,
+                               **rest, **extra)[0]
+    return run
+
+
+def _candidates(case, device, kw, pool, slots, versions):
+    """[(name, run, pool_or_None, dense_final_getter)] for every backend and peer that can run the case."""
+    out = []
+    for name in dispatch.BACKENDS:
+        module, _ = dispatch.backend_status(name, device)
+        if module is None or (name == "torch" and device.type == "cuda"):
+            continue  # the torch reference is the cross-check on GPUs, not a contender
+        work = pool.clone()
+        out.append((f"cula-{name}", _cula_call(case, kw, work, slots, name), work))
+    if versions["fla"]:
+        dense = pool[slots.long()].clone()
+        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], device=device) if case.op == "prefill" else None
+        run = peers.fla_prefill(case.mode, kw, dense, cu) if case.op == "prefill" else peers.fla_decode(case.mode, kw, dense)
+        out.append(("fla", run, None))
+    return out
+
+
+def _state_bytes(case, pool):
+    return 2 * case.batch * case.HV * case.V * case.K * pool.element_size()
+
+
+def run_case(case: Case, device, versions, generator):
+    kw, pool, slots = _inputs(case, device, generator)
+    ref_pool = pool.clone()
+    ref_o = _cula_call(case, kw, ref_pool, slots, "torch")()
+    ref_final = ref_pool[slots.long()]
+    rows = []
+    for name, run, work in _candidates(case, device, kw, pool, slots, versions):
+        start_states = None if work is None else work.clone()
+        result = run()
+        o, final = (result, work[slots.long()]) if work is not None else result
+        err = max(relative_error(o.reshape(ref_o.shape), ref_o), relative_error(final, ref_final))
+        row = dict(case=case.name, op=case.op, backend=name, rel_err=err)
+        if not err <= AGREEMENT:
+            row["status"] = "wrong"
+            rows.append(row)
+            continue
+        if work is not None:
+            work.copy_(start_states)
+        ms = time_call(run, device)
+        row.update(status="ok", ms=ms)
+        if case.op == "prefill":
+            row["ns_per_token_head"] = ms * 1e6 / (sum(case.seqlens) * case.HV)
+        else:
+            row["TBps"] = _state_bytes(case, pool) / (ms * 1e-3) / 1e12
+        rows.append(row)
+    fla = next((r for r in rows if r["backend"] == "fla" and r["status"] == "ok"), None)
+    for r in rows:
+        if fla and r["status"] == "ok":
+            r["speedup_vs_fla"] = fla["ms"] / r["ms"]
+    return rows
+
+
+def _print_rows(rows):
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['case']:38s} {r['backend']:12s} WRONG: rel err {r['rel_err']:.2e} > {AGREEMENT:g}, not timed")
+            continue
+        metric = (f"{r['ns_per_token_head']:8.3f} ns/tok-head" if "ns_per_token_head" in r
+                  else f"{r['TBps']:8.3f} TB/s       ")
+        ratio = f"{r['speedup_vs_fla']:6.2f}x FLA" if "speedup_vs_fla" in r else ""
+        print(f"{r['case']:38s} {r['backend']:12s} {r['ms']:9.4f} ms {metric} {ratio}  (err {r['rel_err']:.1e})",
+              flush=True)
+
+
+def environment(device) -> dict:
+    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               python=platform.python_version(), torch=torch.__version__, device=str(device))
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    env["peers"] = peers.peer_versions()
+    return env
+
+
+def plot(rows, path: Path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install cula-serve[bench])")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(16, 6))
+    for ax, op, metric, label in ((axes[0], "prefill", "ns_per_token_head", "ns per token-head (lower is better)"),
+                                  (axes[1], "decode", "TBps", "TB/s of state traffic (higher is better)")):
+        ok = [r for r in rows if r["op"] == op and r["status"] == "ok"]
+        cases = list(dict.fromkeys(r["case"] for r in ok))
+        backends = list(dict.fromkeys(r["backend"] for r in ok))
+        width = 0.8 / max(1, len(backends))
+        for i, b in enumerate(backends):
+            xs = [j + i * width for j, c in enumerate(cases) for r in ok if r["case"] == c and r["backend"] == b]
+            ys = [r[metric] for c in cases for r in ok if r["case"] == c and r["backend"] == b]
+            ax.bar(xs, ys, width, label=b)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels(cases, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel(label)
+        ax.set_title(op)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(args) -> int:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    env = environment(device)
+    print(f"bench_serving kernels on {env.get('gpu', 'cpu')}: torch {env['torch']}, triton {env['triton']}, "
+          f"python {env['python']}, {env['date']}")
+    for peer, version in env["peers"].items():
+        print(f"  peer {peer}: {version or 'not installed, skipped'}")
+    if device.type != "cuda":
+        print("no GPU: a small table on the reference backend; timings need a GPU")
+    cases = gpu_cases() if device.type == "cuda" else cpu_cases()
+    if args.filter:
+        cases = [c for c in cases if all(word in c.name for word in args.filter.split())]
+    generator = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case.name}", file=sys.stderr, flush=True)
+        case_rows = run_case(case, device, env["peers"], generator)
+        _print_rows(case_rows)
+        rows += case_rows
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "kernels.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+    print(f"json: {out_dir / 'kernels.json'}")
+    plot(rows, out_dir / "kernels.png")
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
