@@ -60,8 +60,10 @@ def _candidates(case, device, kw, pool, slots, versions):
     out = []
     for name in dispatch.BACKENDS:
         module, _ = dispatch.backend_status(name, device)
-        if module is None or (name == "torch" and device.type == "cuda"):
-            continue  # the torch reference is the cross-check on GPUs, not a contender
+        if module is None or (name == "torch") == (device.type == "cuda"):
+            # on a GPU the torch reference is the cross-check, not a contender; on the CPU it is the
+            # only backend worth timing (Triton's interpreter is a correctness tool)
+            continue
         work = pool.clone()
         out.append((f"cula-{name}", _cula_call(case, kw, work, slots, name), work))
     if versions["fla"]:
