@@ -156,3 +156,27 @@ def test_slots_protocol_reads_the_accepted_column(generator):
                         initial_state=dense, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                         A_log=ref["A_log"], dt_bias=ref["dt_bias"], use_beta_sigmoid_in_kernel=True, **ORACLE)
     assert_close(o.reshape(1, 2 * T, *o.shape[2:]), ref_o, 5e-3)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_slots_wide_columns_and_long_buffer(backend, generator):
+    """T_cols > T: the read column is num_accepted_tokens - 1 even past T; a buffer with room
+    for more than T tokens keeps its extra entries untouched."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    T = 2
+    kw, pool, _ = _setup("kda", (2, T), torch.float32, generator, dict(H=2, HV=4, K=16, V=16))
+    qkv, rest = _split_gates(kw)
+    pool[[1, 3, 4, 6]] = torch.randn(4, *pool.shape[1:], generator=generator)
+    columns = torch.tensor([[0, 1, 3, 6], [2, 4, 7, 5]], dtype=torch.int32)
+    accepted = torch.tensor([4, 3], dtype=torch.int32)  # read slot 6 for row 0, slot 7 for row 1
+    work = pool.clone()
+    o, _ = cula_verify(**qkv, state_pool=work, mode="kda", protocol="slots", state_indices=columns,
+                       num_accepted_tokens=accepted, backend=backend, **rest)
+    ref_o, _ = cula_verify(**_split_gates(to_float64(kw))[0], state_pool=oracle_pool(pool)[[6, 7]], mode="kda",
+                           protocol="deferred", **_split_gates(to_float64(kw))[1], **ORACLE)
+    assert_close(o, ref_o, 5e-3)
+    buffer = torch.full((2, T + 2, *pool.shape[1:]), float("nan"))
+    cula_verify(**qkv, state_pool=pool, mode="kda", protocol="buffer", state_indices=torch.tensor([0, 2]),
+                intermediate_states=buffer, backend=backend, **rest)
+    assert torch.isfinite(buffer[:, :T]).all() and torch.isnan(buffer[:, T:]).all()

@@ -154,7 +154,8 @@ def verify(recipe, q, k, v, g, beta, *, protocol, state_pool, state_indices, num
     _, dtype = _options(kwargs, "recurrent")
     N, T = v.shape[:2]
     if protocol == "slots":
-        read = state_indices.gather(1, (num_accepted_tokens.long() - 1).clamp(0, T - 1)[:, None])[:, 0]
+        column = (num_accepted_tokens.long() - 1).clamp(0, state_indices.shape[1] - 1)
+        read = state_indices.gather(1, column[:, None])[:, 0]
     else:
         read = state_indices
     live = read >= 0
@@ -164,7 +165,7 @@ def verify(recipe, q, k, v, g, beta, *, protocol, state_pool, state_indices, num
     out.copy_(torch.where(live[:, None, None, None], o, o.new_zeros(())))
     if protocol == "buffer":
         rows = intermediate_indices[live].long()
-        intermediate_states[rows] = states[live].transpose(-1, -2).to(intermediate_states.dtype)
+        intermediate_states[rows, :T] = states[live].transpose(-1, -2).to(intermediate_states.dtype)
     elif protocol == "slots":
         for t in range(T):
             column = state_indices[:, t]

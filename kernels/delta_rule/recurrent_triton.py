@@ -1,0 +1,434 @@
+"""The gated delta rule token by token in Triton: decode, MTP verify (three protocols) and commit.
+
+GDN and KDA run through one kernel, ``_delta_rule_recurrent_kernel``: GDN's scalar gate is the
+per-channel gate broadcast over K (a constexpr flag picks the load). Per value head ``hv`` (qk head
+``hv // (HV // H)``) and token t, in float32 (``naive.py`` is the oracle):
+
+    S   = Diag(exp(g_t)) S;   u = beta_t * (v_t - S^T k_t);   S = S + k_t u^T;   o_t = scale * S^T q_t
+
+with the call's ``Recipe`` fused into the loads: qk l2norm, the gate from the raw projection
+(``FusedGate``: GDN / KDA softplus gate with optional dt_bias, KDA safe gate), beta's sigmoid.
+
+Grid and tiling: one program per (sequence, value head, V-tile of BV columns); axis 0 is
+``n * HV + hv`` (it may exceed the 65535 limit of axes 1 and 2), axis 1 the V-tile. The columns of
+S evolve independently (``S^T k`` and ``k u^T`` act column by column), so a program owns the
+K x BV slice ``pool[slot, hv, v0:v0+BV, :]`` and keeps it in registers for all T tokens: every
+state element is read once and written once per call, whatever T is.
+
+The pool is ``[P, HV, V, K]`` (K-last, ``pool[slot, hv, v, k] == S[k, v]``), float32 or bfloat16
+(loaded to float32, rounded to the pool dtype on store); dim 0 may have any stride (vLLM pages),
+dims 1..3 are contiguous. What a call reads and writes is set by ``op`` (a_n below is
+``num_accepted_tokens[n]``; a read slot < 0 marks a padding row: no read, no write, zero output):
+
+    op          initial state from                       writes
+    "decode"    pool[state_indices[n]]                   outputs; the final state back to that slot
+    "buffer"    pool[state_indices[n]]                   outputs; state after token t to
+                                                         buffer[buffer_rows[n], t] ([R, T_buf, HV, V, K])
+    "slots"     pool[state_indices[n, a_n - 1]]        outputs; state after token t to
+                                                         pool[state_indices[n, t]] where that is >= 0
+    "deferred"  pool[state_indices[n]]                   outputs only (the commit replays)
+    "commit"    pool[state_indices[n]]                   the state after tokens 0..a_n-1 back to the
+                                                         slot (nothing when a_n = 0); no outputs
+
+The buffer and slots commits are plain state copies: ``copy_committed_states``.
+
+T is a compile-time constant (one compile per verify length, and the loop needs a bound known to
+Triton's interpreter too), so a commit runs all T steps and masks those past its accepted count:
+they load nothing and leave the state bit-identical.
+
+Nothing here synchronises with the host and all Python logic depends on shapes only, so every
+launch can be captured in a CUDA graph; each (shape bucket, Recipe flags) compiles once.
+
+The pool-protocol pieces (slot resolution, state loads and stores, launch geometry, the copy
+kernel) are shared with ``kernels/lightning/recurrent_triton.py``, which imports them from here.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+OPS = ("decode", "buffer", "slots", "deferred", "commit")  # an op's code is its index
+OP_DECODE, OP_BUFFER, OP_SLOTS, OP_DEFERRED, OP_COMMIT = (tl.constexpr(code) for code in range(len(OPS)))
+
+L2NORM_EPS = tl.constexpr(1e-6)
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's F.softplus default: x above it is returned as is
+
+
+# ------------------------------------------------------------------------------------------------
+# pool-protocol helpers shared by the delta-rule and Lightning kernels
+
+
+@triton.jit
+def read_slot(state_indices, num_accepted, i_n, stride_idx_n, stride_idx_t, num_columns, OP: tl.constexpr):
+    """The slot sequence ``i_n`` starts from; negative means padding."""
+    if OP == OP_SLOTS:
+        # vLLM's layout: the previous step accepted a tokens, so its state sits in column a - 1
+        column = tl.minimum(tl.maximum(tl.load(num_accepted + i_n) - 1, 0), num_columns - 1)
+        slot = tl.load(state_indices + i_n * stride_idx_n + column * stride_idx_t)
+    else:
+        slot = tl.load(state_indices + i_n * stride_idx_n)
+    return slot
+
+
+@triton.jit
+def tokens_to_run(num_accepted, i_n, live, T, OP: tl.constexpr):
+    """How many of the T tokens update the state: the accepted count for a commit, T otherwise,
+    0 for padding. Tokens past it are masked out rather than skipped: the count lives in device
+    memory, and a loop bound read from memory is not available under Triton's interpreter."""
+    if OP == OP_COMMIT:
+        count = tl.where(live, tl.load(num_accepted + i_n), 0)
+    else:
+        count = tl.where(live, T, 0)
+    return count
+
+
+@triton.jit
+def state_tile(i_hv, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Offsets of this program's [BV, K] slice inside one slot (K-last: row v holds S[:, v])."""
+    offs_v = i_v * BV + tl.arange(0, BV)
+    return i_hv * (V * K) + offs_v[:, None] * K + tl.arange(0, K)[None, :]
+
+
+@triton.jit
+def load_state(pool, slot, stride_pool, tile, live):
+    """The slot's [BV, K] slice in float32; zeros for a padding row (nothing is read)."""
+    return tl.load(pool + slot.to(tl.int64) * stride_pool + tile, mask=live, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_buffer_row(buffer_rows, i_n, OP: tl.constexpr):
+    """The buffer protocol's row for sequence ``i_n`` (unused by the other ops)."""
+    row = 0
+    if OP == OP_BUFFER:
+        row = tl.load(buffer_rows + i_n)
+    return row
+
+
+@triton.jit
+def store_token_state(h, t, i_n, live, pool, buffer, state_indices, buffer_row, tile,
+                      stride_pool, stride_buf_r, stride_buf_t, stride_idx_n, stride_idx_t,
+                      OP: tl.constexpr):
+    """The buffer and slots protocols keep the state after every token."""
+    if OP == OP_BUFFER:
+        dst = buffer + buffer_row.to(tl.int64) * stride_buf_r + t * stride_buf_t + tile
+        tl.store(dst, h.to(buffer.dtype.element_ty), mask=live)
+    if OP == OP_SLOTS:
+        slot = tl.load(state_indices + i_n * stride_idx_n + t * stride_idx_t)
+        tl.store(pool + slot.to(tl.int64) * stride_pool + tile, h.to(pool.dtype.element_ty),
+                 mask=live & (slot >= 0))
+
+
+@triton.jit
+def store_final_state(h, pool, slot, stride_pool, tile, count, OP: tl.constexpr):
+    """Decode and commit write the final state back to the slot they read (a commit of 0 tokens
+    writes nothing)."""
+    if (OP == OP_DECODE) or (OP == OP_COMMIT):
+        tl.store(pool + slot.to(tl.int64) * stride_pool + tile, h.to(pool.dtype.element_ty), mask=count > 0)
+
+
+@triton.jit
+def load_head_vector(x, offset, active, K: tl.constexpr, L2NORM: tl.constexpr):
+    """One token's q or k head ([K], unit stride) in float32, l2-normalised when asked; zeros when
+    the token is inactive."""
+    b_x = tl.load(x + offset + tl.arange(0, K), mask=active, other=0.0).to(tl.float32)
+    if L2NORM:
+        b_x = b_x * tl.rsqrt(tl.sum(b_x * b_x) + L2NORM_EPS)
+    return b_x
+
+
+# ------------------------------------------------------------------------------------------------
+# the delta-rule kernel
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+@triton.jit
+def _delta_rule_recurrent_kernel(
+    q, k, v, g, beta, o, A_log, dt_bias,
+    stride_q_n, stride_q_t, stride_q_h,
+    stride_k_n, stride_k_t, stride_k_h,
+    stride_v_n, stride_v_t, stride_v_h,
+    stride_g_n, stride_g_t, stride_g_h,
+    stride_b_n, stride_b_t, stride_b_h,
+    stride_o_n, stride_o_t, stride_o_h,
+    scale, lower_bound,
+    pool, buffer, state_indices, num_accepted, buffer_rows,
+    stride_pool, stride_buf_r, stride_buf_t, stride_idx_n, stride_idx_t, num_columns,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    OP: tl.constexpr, PER_CHANNEL_GATE: tl.constexpr, FUSED_GATE: tl.constexpr,
+    SAFE_GATE: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
+):
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    offs_k = tl.arange(0, K)
+    offs_v = i_v * BV + tl.arange(0, BV)
+
+    slot = read_slot(state_indices, num_accepted, i_n, stride_idx_n, stride_idx_t, num_columns, OP)
+    live = slot >= 0
+    count = tokens_to_run(num_accepted, i_n, live, T, OP)
+    tile = state_tile(i_hv, i_v, K, V, BV)
+    h = load_state(pool, slot, stride_pool, tile, live)  # h[v, k] = S[k, v]
+    buffer_row = load_buffer_row(buffer_rows, i_n, OP)
+
+    if FUSED_GATE:
+        A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if dt_bias is not None:
+            if PER_CHANNEL_GATE:
+                bias = tl.load(dt_bias + i_hv * K + offs_k).to(tl.float32)
+            else:
+                bias = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    i_n64 = i_n.to(tl.int64)
+    for t in range(T):
+        active = t < count
+        k_t = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active, K, QK_L2NORM)
+        b_v = tl.load(v + i_n64 * stride_v_n + t * stride_v_t + i_hv * stride_v_h + offs_v,
+                      mask=active, other=0.0).to(tl.float32)
+        g_off = i_n64 * stride_g_n + t * stride_g_t + i_hv * stride_g_h
+        if PER_CHANNEL_GATE:
+            b_g = tl.load(g + g_off + offs_k, mask=active, other=0.0).to(tl.float32)
+        else:
+            b_g = tl.load(g + g_off, mask=active, other=0.0).to(tl.float32)
+        if FUSED_GATE:
+            if dt_bias is not None:
+                b_g = b_g + bias
+            if SAFE_GATE:
+                b_g = lower_bound * tl.sigmoid(A * b_g)
+            else:
+                b_g = -A * _softplus(b_g)
+        b_beta = tl.load(beta + i_n64 * stride_b_n + t * stride_b_t + i_hv * stride_b_h,
+                         mask=active, other=0.0).to(tl.float32)
+        if BETA_LOGITS:
+            b_beta = tl.sigmoid(b_beta)
+        # an inactive token (past a commit's accepted count) must leave the state bit-identical:
+        # decay exp(0) = 1 and beta = 0 with k = 0 make the update h * 1 + 0
+        b_g = tl.where(active, b_g, 0.0)
+        b_beta = tl.where(active, b_beta, 0.0)
+
+        if PER_CHANNEL_GATE:
+            h = h * tl.exp(b_g)[None, :]
+        else:
+            h = h * tl.exp(b_g)
+        u = b_beta * (b_v - tl.sum(h * k_t[None, :], axis=1))
+        h = h + u[:, None] * k_t[None, :]
+
+        if OP != OP_COMMIT:
+            # padding rows have h = 0 and q = 0, so their output is exactly zero
+            q_t = load_head_vector(q, i_n64 * stride_q_n + t * stride_q_t + i_h * stride_q_h, active, K, QK_L2NORM)
+            b_o = tl.sum(h * (q_t * scale)[None, :], axis=1)
+            tl.store(o + i_n64 * stride_o_n + t * stride_o_t + i_hv * stride_o_h + offs_v,
+                     b_o.to(o.dtype.element_ty))
+        store_token_state(h, t, i_n, live, pool, buffer, state_indices, buffer_row, tile,
+                          stride_pool, stride_buf_r, stride_buf_t, stride_idx_n, stride_idx_t, OP)
+
+    store_final_state(h, pool, slot, stride_pool, tile, count, OP)
+
+
+# ------------------------------------------------------------------------------------------------
+# launching (shape-only Python: safe inside CUDA-graph capture)
+
+
+def device_guard(device: torch.device):
+    """Triton launches on the current CUDA device; make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def strides3(x: torch.Tensor | None) -> tuple[int, int, int]:
+    """(n, t, head) strides of a per-token tensor [N, T, heads, ...]; zeros when absent."""
+    return (0, 0, 0) if x is None else tuple(x.stride()[:3])
+
+
+def unit_last(x: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read head vectors ([K] or [V]) with unit stride; copy only when they are not."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def output_target(out: torch.Tensor | None) -> torch.Tensor | None:
+    """Where the kernel writes the outputs: ``out`` itself unless its rows are strided, then a
+    contiguous scratch tensor the caller copies back."""
+    return out if out is None or out.stride(-1) == 1 else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+
+def _check_state_layout(name: str, x: torch.Tensor, first_inner_dim: int):
+    """Dims from ``first_inner_dim`` on must be contiguous ([.., HV, V, K] with unit K stride)."""
+    expected = 1
+    for dim in range(x.dim() - 1, first_inner_dim - 1, -1):
+        if x.shape[dim] != 1 and x.stride(dim) != expected:
+            raise ValueError(f"{name}: the [HV, V, K] dims must be contiguous (only the leading dims may be "
+                             f"strided), got shape {list(x.shape)} with strides {list(x.stride())}")
+        expected *= x.shape[dim]
+
+
+def block_v(N: int, HV: int, K: int, V: int, device: torch.device) -> tuple[int, int]:
+    """(BV, num_warps) for a [N, HV] grid of heads with V columns each.
+
+    The K x BV slice of fp32 state lives in registers. About 16 state values per thread keep the
+    decode kernel near 100 registers without spills (ptxas, sm_90, K = 128), so several programs
+    share an SM and keep enough loads in flight for this memory-bound kernel. Small batches
+    (decode at B = 1) take narrower tiles so the grid still covers the SMs. The interpreter (CPU)
+    runs programs one after another: there fewer, wider programs are faster.
+    """
+    if device.type != "cuda":
+        return min(V, 32), 1
+    bv = min(V, 16)
+    while bv > 8 and N * HV * (V // bv) < 1024:
+        bv //= 2
+    return bv, max(1, min(8, K * bv // 512))
+
+
+def protocol_args(op: str, *, state_pool, state_indices, num_accepted_tokens, intermediate_states,
+                  intermediate_indices, T: int) -> dict:
+    """Check the pool-side tensors of ``op`` and turn them into kernel arguments."""
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
+    _check_state_layout("state_pool", state_pool, 1)
+    if op == "slots":
+        if state_indices.dim() != 2 or state_indices.shape[1] < T:
+            raise ValueError(f"state_indices: the slots protocol needs [N, T_cols >= {T}], "
+                             f"got {list(state_indices.shape)}")
+    elif state_indices.dim() != 1:
+        raise ValueError(f"state_indices: expected [N], got {list(state_indices.shape)}")
+    if (op in ("slots", "commit")) != (num_accepted_tokens is not None):
+        raise ValueError(f"num_accepted_tokens: needed by the slots verify and the commit only (op={op!r})")
+    buffer_strides = (0, 0)
+    if op == "buffer":
+        if intermediate_states is None or intermediate_indices is None:
+            raise ValueError("intermediate_states, intermediate_indices: required by the buffer protocol")
+        _check_state_layout("intermediate_states", intermediate_states, 2)
+        if intermediate_states.shape[1] < T:
+            raise ValueError(f"intermediate_states: room for {intermediate_states.shape[1]} tokens, need {T}")
+        buffer_strides = tuple(intermediate_states.stride()[:2])
+    return dict(
+        pool=state_pool, buffer=intermediate_states if op == "buffer" else None,
+        state_indices=state_indices, num_accepted=num_accepted_tokens,
+        buffer_rows=intermediate_indices if op == "buffer" else None,
+        stride_pool=state_pool.stride(0), stride_buf_r=buffer_strides[0], stride_buf_t=buffer_strides[1],
+        stride_idx_n=state_indices.stride(0), stride_idx_t=state_indices.stride(1) if state_indices.dim() == 2 else 0,
+        num_columns=state_indices.shape[1] if state_indices.dim() == 2 else 1,
+        OP=OPS.index(op),
+    )
+
+
+def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=None,
+                         num_accepted_tokens=None, intermediate_states=None, intermediate_indices=None):
+    """Run the delta rule over T tokens of N sequences against the state pool (see the module
+    docstring for what each ``op`` reads and writes).
+
+    Args:
+        recipe: the call's ``Recipe`` (mode "gdn" or "kda"; l2norm, fused gate, beta logits, scale).
+        q, k: [N, T, H, K] bf16 / fp16 / fp32, any strides (q is None for op="commit").
+        v: [N, T, HV, V], q's dtype, HV a multiple of H.
+        g: [N, T, HV] (gdn) or [N, T, HV, K] (kda): log decay, or the raw gate projection when
+           ``recipe.fused_gate`` is set. float32 (bf16 accepted).
+        beta: [N, T, HV], or logits when ``recipe.beta_logits``.
+        op: "decode", "buffer", "slots", "deferred" or "commit".
+        state_pool: [P, HV, V, K] float32 / bfloat16, dims 1..3 contiguous.
+        state_indices: int32 [N] (slots: [N, T_cols >= T]).
+        out: [N, T, HV, V] in v's dtype (None for op="commit"); rows of padding get zeros.
+        num_accepted_tokens: int32 [N]: for "slots" the previous step's accepted count (selects
+           the read column), for "commit" the tokens to keep (0..T).
+        intermediate_states, intermediate_indices: "buffer" only: [R, T_buf >= T, HV, V, K] in the
+           pool dtype ([HV, V, K] contiguous) and int32 [N] rows.
+    """
+    N, T, HV, V = v.shape
+    H, K = k.shape[-2:]
+    kernel_args = protocol_args(op, state_pool=state_pool, state_indices=state_indices,
+                                num_accepted_tokens=num_accepted_tokens, intermediate_states=intermediate_states,
+                                intermediate_indices=intermediate_indices, T=T)
+    per_channel = recipe.mode == "kda"
+    gate = recipe.fused_gate
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
+    if per_channel:
+        g = unit_last(g)
+    dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
+    target = output_target(out)
+    bv, num_warps = block_v(N, HV, K, V, v.device)
+    with device_guard(v.device):
+        _delta_rule_recurrent_kernel[(N * HV, V // bv)](
+            q, k, v, g, beta, target, None if gate is None else gate.A_log.contiguous(), dt_bias,
+            *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta), *strides3(target),
+            T=T, scale=recipe.scale,
+            lower_bound=gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0,
+            H=H, HV=HV, K=K, V=V, BV=bv, PER_CHANNEL_GATE=per_channel, FUSED_GATE=gate is not None,
+            SAFE_GATE=gate is not None and gate.lower_bound is not None, QK_L2NORM=recipe.qk_l2norm,
+            BETA_LOGITS=recipe.beta_logits, num_warps=num_warps, **kernel_args,
+        )
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# buffer / slots commit: copy one saved state per sequence into its slot
+
+
+@triton.jit
+def _copy_committed_state_kernel(
+    pool, source, state_indices, num_accepted, buffer_rows,
+    stride_pool, stride_src_0, stride_src_1, stride_idx_n, stride_idx_t, num_columns,
+    SLOT_SIZE: tl.constexpr, BLOCK: tl.constexpr, FROM_BUFFER: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    accepted = tl.load(num_accepted + i_n)
+    dst = tl.load(state_indices + i_n * stride_idx_n)
+    column = tl.minimum(tl.maximum(accepted - 1, 0), num_columns - 1)
+    if FROM_BUFFER:
+        # state after token a - 1 of the verify: buffer[rows[n], a - 1]
+        row = tl.maximum(tl.load(buffer_rows + i_n), 0)
+        src_offset = row.to(tl.int64) * stride_src_0 + column.to(tl.int64) * stride_src_1
+        live = (dst >= 0) & (accepted > 0)
+    else:
+        # slots: column a - 1 holds it; with a = 1 it is already in column 0
+        src_slot = tl.load(state_indices + i_n * stride_idx_n + column * stride_idx_t)
+        src_offset = src_slot.to(tl.int64) * stride_src_0
+        live = (dst >= 0) & (src_slot >= 0) & (accepted > 1)
+    mask = live & (offs < SLOT_SIZE)
+    x = tl.load(source + src_offset + offs, mask=mask)
+    tl.store(pool + dst.to(tl.int64) * stride_pool + offs, x, mask=mask)
+
+
+def copy_committed_states(protocol, *, state_pool, state_indices, num_accepted_tokens,
+                          intermediate_states=None, intermediate_indices=None):
+    """The buffer / slots commit: per sequence n with a = num_accepted_tokens[n],
+
+        "buffer": pool[state_indices[n]] = intermediate_states[intermediate_indices[n], a - 1]   (a >= 1)
+        "slots":  pool[state_indices[n, 0]] = pool[state_indices[n, a - 1]]                     (a >= 2)
+
+    state_pool [P, HV, V, K]; state_indices int32 [N] (buffer) or [N, T_cols] (slots);
+    num_accepted_tokens int32 [N]; intermediate_states [R, T_buf, HV, V, K] in the pool dtype,
+    intermediate_indices int32 [N]. Rows with a negative slot are untouched; a bit-exact copy.
+    """
+    _check_state_layout("state_pool", state_pool, 1)
+    N = state_indices.shape[0]
+    slot_size = state_pool[0].numel()
+    if protocol == "buffer":
+        if state_indices.dim() != 1:
+            raise ValueError(f"state_indices: expected [N], got {list(state_indices.shape)}")
+        _check_state_layout("intermediate_states", intermediate_states, 2)
+        source, (stride_0, stride_1) = intermediate_states, intermediate_states.stride()[:2]
+        num_columns, stride_idx_t = intermediate_states.shape[1], 0
+    elif protocol == "slots":
+        if state_indices.dim() != 2:
+            raise ValueError(f"state_indices: expected [N, T_cols], got {list(state_indices.shape)}")
+        source, stride_0, stride_1 = state_pool, state_pool.stride(0), 0
+        num_columns, stride_idx_t = state_indices.shape[1], state_indices.stride(1)
+    else:
+        raise ValueError(f"protocol: a copy commit is 'buffer' or 'slots', got {protocol!r}")
+    block = min(4096, triton.next_power_of_2(slot_size))
+    with device_guard(state_pool.device):
+        _copy_committed_state_kernel[(N, triton.cdiv(slot_size, block))](
+            state_pool, source, state_indices, num_accepted_tokens,
+            intermediate_indices if protocol == "buffer" else None,
+            state_pool.stride(0), stride_0, stride_1, state_indices.stride(0), stride_idx_t, num_columns,
+            SLOT_SIZE=slot_size, BLOCK=block, FROM_BUFFER=protocol == "buffer", num_warps=4,
+        )

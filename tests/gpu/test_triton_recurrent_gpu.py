@@ -1,0 +1,254 @@
+"""The triton backend's decode, verify and commit on a GPU at the model shapes (DESIGN section 1):
+against the float64 oracle at batch 1, 8 and 64 with permuted and padded (NaN-poisoned) slots,
+every MTP protocol and accepted length, and under CUDA graphs: captured once with static buffers,
+replayed with new inputs, indices and accepted counts, and compared with eager calls.
+
+Run with ``pytest -m gpu tests/gpu``. The float64 oracle (the torch backend's recurrence) runs on
+the same GPU: the math is the same as on the CPU and the model shapes are large for it there.
+"""
+import os
+
+import pytest
+import torch
+
+from cula_serve import cula_commit, cula_decode, cula_verify
+from cula_serve.inputs import MODEL_SHAPES, random_inputs, relative_error, to_float64
+
+from conftest import ORACLE, assert_close, tolerance
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 would run the kernels in Triton's interpreter; unset it to test the GPU",
+                allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+TRITON = dict(backend="triton")
+ORACLE_COMMIT = dict(algorithm="recurrent", compute_dtype=torch.float64)
+SHAPES = {cfg["mode"]: {key: cfg[key] for key in ("H", "HV", "K", "V")} for cfg in MODEL_SHAPES.values()}
+MODES = ["gdn", "kda", "lightning"]
+BATCHES = [1, 8, 64]
+T = 4
+
+
+def _generators(seed):
+    return torch.Generator().manual_seed(seed), torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def _slots(B, generator):
+    """int32 [B] permuted slots of a pool of 2B + 3; for B > 1 every fifth row (2, 7, ...) is padding.
+    Returns (slots, pool size)."""
+    P = 2 * B + 3
+    slots = torch.randperm(P, generator=generator)[:B].to(torch.int32)
+    if B > 1:
+        slots[2::5] = -1
+    return slots.to(DEVICE), P
+
+
+def _pool(P, shape, dtype, live_slots, generator):
+    """A NaN pool [P, HV, V, K] on the GPU with random states in ``live_slots``."""
+    pool = torch.full((P, shape["HV"], shape["V"], shape["K"]), float("nan"), dtype=dtype, device=DEVICE)
+    live = live_slots[live_slots >= 0].long()
+    pool[live] = (0.5 * torch.randn(len(live), *pool.shape[1:], generator=generator, device=DEVICE)).to(dtype)
+    return pool
+
+
+def _assert_same_writes(pool, ref_pool, tol, what="pool"):
+    """NaN exactly where the reference has NaN (untouched slots), the reference's values elsewhere."""
+    nan, ref_nan = torch.isnan(pool.float()), torch.isnan(ref_pool.float())
+    assert torch.equal(nan, ref_nan), f"{what}: written where the reference did not write, or the reverse"
+    assert_close(pool[~nan], ref_pool[~ref_nan], tol, what)
+
+
+def _split(kw):
+    return kw["q"], kw["k"], kw["v"], {key: val for key, val in kw.items() if key not in ("q", "k", "v")}
+
+
+def _protocol_layout(protocol, B, generator):
+    """(P, verify arguments, accepted) for B rows verifying T tokens: permuted slots with padding,
+    the accepted counts cycling through every length (0..T; slots 1..T). For "slots" the previous
+    step's accepted count varies per row and selects the read column."""
+    slots, P = _slots(B, generator)
+    accepted = (torch.arange(B, dtype=torch.int32) % (T + 1)).to(DEVICE)
+    if protocol == "deferred":
+        return P, dict(state_indices=slots), accepted
+    if protocol == "buffer":
+        rows = torch.randperm(B + 1, generator=generator)[:B].to(torch.int32).to(DEVICE)
+        return P, dict(state_indices=slots, intermediate_indices=rows), accepted
+    # slots: column prev[n] - 1 of row n holds its slot, the other columns scratch slots past P
+    prev = (1 + torch.arange(B, dtype=torch.int32) % T)
+    columns = P + torch.arange(B * T, dtype=torch.int32).reshape(B, T)
+    columns[torch.arange(B), prev.long() - 1] = slots.cpu()
+    columns[slots.cpu() < 0] = -1
+    return P + B * T, dict(state_indices=columns.to(DEVICE), num_accepted_tokens=prev.to(DEVICE)), 1 + accepted % T
+
+
+def _read_slots(protocol, call):
+    """The slot each row's initial state is read from."""
+    indices = call["state_indices"]
+    if protocol != "slots":
+        return indices
+    return indices.gather(1, call["num_accepted_tokens"].long()[:, None] - 1)[:, 0]
+
+
+# ------------------------------------------------------------------------------------------------
+# against the oracle
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("B", BATCHES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_decode_model_shapes(mode, B, state_dtype):
+    cpu_gen, gpu_gen = _generators(B)
+    shape = SHAPES[mode]
+    slots, P = _slots(B, cpu_gen)
+    pool = _pool(P, shape, state_dtype, slots, gpu_gen)
+    kw = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
+    ref_pool = pool.double()
+    q, k, v, rest = _split(kw)
+    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **TRITON)
+    q, k, v, rest = _split(to_float64(kw))
+    ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
+    tol = tolerance(torch.bfloat16, state_dtype)
+    assert_close(o, ref_o, tol)
+    assert (o[slots < 0] == 0).all()
+    _assert_same_writes(pool, ref_pool, tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("protocol", ["buffer", "slots", "deferred"])
+@pytest.mark.parametrize("B", BATCHES)
+def test_verify_and_commit_model_shapes(mode, protocol, B):
+    """bf16 inputs, fp32 pool; the verify outputs, what the verify writes, and the pool after a
+    commit whose accepted counts cover every length."""
+    cpu_gen, gpu_gen = _generators(100 + B)
+    shape = SHAPES[mode]
+    P, call, accepted = _protocol_layout(protocol, B, cpu_gen)
+    pool = _pool(P, shape, torch.float32, _read_slots(protocol, call), gpu_gen)
+    ref_pool, ref_call = pool.double(), dict(call)
+    if protocol == "buffer":
+        call["intermediate_states"] = torch.full((B + 1, T, *pool.shape[1:]), float("nan"), device=DEVICE)
+        ref_call["intermediate_states"] = call["intermediate_states"].double()
+    kw = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
+    q, k, v, rest = _split(kw)
+    o, pending = cula_verify(q, k, v, pool, mode=mode, protocol=protocol, **call, **rest, **TRITON)
+    q, k, v, rest = _split(to_float64(kw))
+    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode=mode, protocol=protocol, **ref_call, **rest, **ORACLE)
+    tol = tolerance(torch.bfloat16, torch.float32)
+    assert_close(o, ref_o, tol, "verify outputs")
+    assert (o[_read_slots(protocol, call) < 0] == 0).all()
+    _assert_same_writes(pool, ref_pool, tol, "pool after verify")
+    if protocol == "buffer":
+        _assert_same_writes(call["intermediate_states"], ref_call["intermediate_states"], tol, "intermediate states")
+    cula_commit(pending, accepted)
+    cula_commit(ref_pending, accepted, **ORACLE_COMMIT)
+    _assert_same_writes(pool, ref_pool, tol, "pool after commit")
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA graphs: capture once, replay with new inputs
+
+
+def _capture(fn):
+    """Run ``fn`` once on a side stream (compiles its kernels), then capture it in a CUDA graph.
+    Returns (graph, what the captured call returned)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+def _refill(static: dict, new: dict):
+    """Copy the tensors of ``new`` into the same-named static buffers."""
+    for key, val in new.items():
+        if isinstance(val, torch.Tensor):
+            static[key].copy_(val)
+
+
+def _same(x, y, what):
+    """Replay and eager call run the same kernels on the same data."""
+    nan, ref_nan = torch.isnan(x.float()), torch.isnan(y.float())
+    assert torch.equal(nan, ref_nan), f"{what}: NaN pattern differs from the eager call"
+    assert relative_error(x[~nan], y[~ref_nan]) <= 1e-6, f"{what}: differs from the eager call"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_decode(mode):
+    B = 8
+    cpu_gen, gpu_gen = _generators(7)
+    shape = SHAPES[mode]
+    slots, P = _slots(B, cpu_gen)
+    initial = _pool(P, shape, torch.float32, torch.arange(P, device=DEVICE), gpu_gen)
+    pool = initial.clone()
+    static = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
+    static["state_indices"] = slots.clone()
+    out = torch.empty(B, 1, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
+    q, k, v, rest = _split(static)
+    graph, _ = _capture(lambda: cula_decode(q, k, v, pool, mode=mode, out=out, **rest, **TRITON))
+
+    for _ in range(2):
+        new = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
+        new["state_indices"], _ = _slots(B, cpu_gen)
+        _refill(static, new)
+        pool.copy_(initial)
+        graph.replay()
+        expected_pool = initial.clone()
+        nq, nk, nv, nrest = _split(new)
+        expected_o, _ = cula_decode(nq, nk, nv, expected_pool, mode=mode, **nrest, **TRITON)
+        torch.cuda.synchronize()
+        _same(out, expected_o, "decode outputs")
+        _same(pool, expected_pool, "pool after decode")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("protocol", ["buffer", "slots", "deferred"])
+def test_cuda_graph_verify_and_commit(mode, protocol):
+    """Verify and commit captured as two graphs (engines run the commit after sampling)."""
+    B = 8
+    cpu_gen, gpu_gen = _generators(11)
+    shape = SHAPES[mode]
+    P, layout, accepted = _protocol_layout(protocol, B, cpu_gen)
+    initial = _pool(P, shape, torch.float32, torch.arange(P, device=DEVICE), gpu_gen)
+    pool = initial.clone()
+    static = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
+    static.update({key: val.clone() for key, val in layout.items()})
+    static_accepted = accepted.clone()
+    if protocol == "buffer":
+        static["intermediate_states"] = torch.zeros(B + 1, T, *pool.shape[1:], device=DEVICE)
+    out = torch.empty(B, T, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
+    q, k, v, rest = _split(static)
+    graph_verify, (_, pending) = _capture(
+        lambda: cula_verify(q, k, v, pool, mode=mode, protocol=protocol, out=out, **rest, **TRITON))
+    graph_commit, _ = _capture(lambda: cula_commit(pending, static_accepted))
+
+    for seed in range(2):
+        new = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
+        _, new_layout, new_accepted = _protocol_layout(protocol, B, torch.Generator().manual_seed(seed))
+        new.update(new_layout)
+        _refill(static, new)
+        static_accepted.copy_(new_accepted.roll(seed + 1))
+        pool.copy_(initial)
+        if protocol == "buffer":
+            static["intermediate_states"].zero_()  # rows of padding are not written: start like the eager call
+        graph_verify.replay()
+        graph_commit.replay()
+
+        expected_pool = initial.clone()
+        if protocol == "buffer":
+            new["intermediate_states"] = torch.zeros_like(static["intermediate_states"])
+        nq, nk, nv, nrest = _split(new)
+        expected_o, expected_pending = cula_verify(nq, nk, nv, expected_pool, mode=mode, protocol=protocol,
+                                                   **nrest, **TRITON)
+        cula_commit(expected_pending, new_accepted.roll(seed + 1))
+        torch.cuda.synchronize()
+        _same(out, expected_o, "verify outputs")
+        _same(pool, expected_pool, "pool after commit")
+        if protocol == "buffer":
+            _same(static["intermediate_states"], new["intermediate_states"], "intermediate states")

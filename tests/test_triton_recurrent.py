@@ -1,0 +1,325 @@
+"""The triton backend's decode, verify and commit under Triton's interpreter, against the float64
+oracle: every mode, both pool dtypes, GVA and MHA heads, several V-tiles, permuted and padded
+(NaN-poisoned) slots, strided pools and inputs, the three MTP protocols with every accepted length,
+the fused gates. Shapes are small: the interpreter runs each program in Python."""
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+# The interpreter is chosen when the kernels are defined, so this must come before triton and the
+# kernel modules are imported. Only without a GPU: on a GPU machine the same pytest process may
+# run tests/gpu, whose kernels must be compiled, not interpreted (there this module skips).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from cula_serve import cula_commit, cula_decode, cula_gdn, cula_lightning, cula_verify  # noqa: E402
+from cula_serve.kernels.backends import triton_backend  # noqa: E402
+
+from conftest import (ORACLE, assert_close, assert_untouched, random_inputs, relative_error,  # noqa: E402
+                      to_float64, tolerance)
+
+if triton_backend.availability(torch.device("cpu")):
+    pytest.skip("the triton backend needs TRITON_INTERPRET=1 on the CPU (set before triton was imported)",
+                allow_module_level=True)
+
+TRITON = dict(backend="triton")
+MODES = ["gdn", "kda", "lightning"]
+GVA = dict(H=2, HV=4, K=32, V=32)
+MHA = dict(H=2, HV=2, K=16, V=64)  # two V-tiles of 32 columns per head
+# 6 sequences over the first 10 slots: permuted, row 2 is padding; slots 1, 4, 6, 8, 9 are never
+# used. Slots P.. are the slots protocol's scratch columns.
+SLOTS = [5, 0, -1, 7, 2, 3]
+UNUSED = [1, 4, 6, 8, 9]
+PAD = 2
+P = 10
+POOL_SIZE = 32
+
+
+def _pool(shape, dtype, live_slots, generator, strided=False):
+    """A NaN pool of POOL_SIZE slots with random states in ``live_slots``. ``strided``: the [:, 0]
+    half of a [POOL_SIZE, 2, HV, V, K] tensor (vLLM-style pages). Returns (pool, base), so that
+    the other half can be checked."""
+    HV, V, K = shape["HV"], shape["V"], shape["K"]
+    base = torch.full((POOL_SIZE, 2, HV, V, K) if strided else (POOL_SIZE, HV, V, K), float("nan"), dtype=dtype)
+    pool = base[:, 0] if strided else base
+    for slot in live_slots:
+        pool[slot] = (0.5 * torch.randn(HV, V, K, generator=generator)).to(dtype)
+    return pool, base
+
+
+def _assert_same_writes(pool, ref_pool, tol, what="pool"):
+    """The pool holds NaN exactly where the oracle's does (untouched slots) and the oracle's values elsewhere."""
+    nan, ref_nan = torch.isnan(pool.float()), torch.isnan(ref_pool)
+    assert torch.equal(nan, ref_nan), f"{what}: written where the oracle did not write, or the reverse"
+    assert_close(pool[~nan], ref_pool[~ref_nan], tol, what)
+
+
+def _split(kw):
+    """random_inputs' dict -> (q, k, v, the remaining keyword arguments)."""
+    rest = {k: v for k, v in kw.items() if k not in ("q", "k", "v")}
+    return kw["q"], kw["k"], kw["v"], rest
+
+
+# ------------------------------------------------------------------------------------------------
+# decode
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [GVA, MHA], ids=["gva", "mha-strided-pool"])
+def test_decode_matches_oracle(mode, state_dtype, input_dtype, shape, generator):
+    strided = shape is MHA
+    pool, base = _pool(shape, state_dtype, [s for s in SLOTS if s >= 0], generator, strided)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    kw = random_inputs(mode, (len(SLOTS), 1), **shape, dtype=input_dtype, generator=generator)
+    ref_pool = pool.double()
+    q, k, v, rest = _split(kw)
+    o, returned = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **TRITON)
+    q, k, v, rest = _split(to_float64(kw))
+    ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
+    tol = tolerance(input_dtype, state_dtype)
+    assert returned is pool and o.dtype == input_dtype
+    assert_close(o, ref_o, tol)
+    assert (o[PAD] == 0).all()
+    _assert_same_writes(pool, ref_pool, tol)
+    assert_untouched(pool, UNUSED)
+    if strided:
+        assert torch.isnan(base[:, 1].float()).all(), "the other half of the strided pool was written"
+
+
+def test_decode_fp16_inputs_and_strided_views(generator):
+    """fp16 q/k/v sliced from one fused projection (k even with strided head vectors), g and beta
+    strided views, ``out`` with a strided last dim."""
+    N, H, HV, K, V = 4, 2, 4, 32, 32
+    slots = torch.tensor([3, 1, -1, 0], dtype=torch.int32)
+    pool, _ = _pool(dict(HV=HV, V=V, K=K), torch.float32, [3, 1, 0], generator)
+    fused = torch.randn(N, 1, 2 * H * K + HV * V + 2 * HV + 3, generator=generator).half()
+    q = fused[..., :H * K].unflatten(-1, (H, K))
+    k = fused[..., H * K:2 * H * K].unflatten(-1, (K, H)).transpose(-1, -2)  # strided head vectors
+    v = fused[..., 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    g = fused[..., -2 * HV - 3:-HV - 3].float()
+    beta = fused[..., -HV - 3:-3].float()
+    gates = dict(g=g, beta=beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 A_log=torch.rand(HV, generator=generator), dt_bias=torch.randn(HV, generator=generator),
+                 use_beta_sigmoid_in_kernel=True)
+    out = torch.full((N, 1, HV, V, 2), float("nan"), dtype=torch.float16)[..., 0]
+    assert not q.is_contiguous() and k.stride(-1) != 1 and out.stride(-1) != 1
+    ref_pool = pool.double()
+    o, _ = cula_decode(q, k, v, pool, mode="gdn", state_indices=slots, out=out, **gates, **TRITON)
+    ref_o, _ = cula_decode(q.double(), k.double(), v.double(), ref_pool, mode="gdn", state_indices=slots,
+                           **to_float64(gates), **ORACLE)
+    assert o is out
+    assert_close(o, ref_o, 5e-3)
+    assert (o[2] == 0).all()
+    _assert_same_writes(pool, ref_pool, 5e-3)
+
+
+@pytest.mark.parametrize("mode,gate", [
+    ("gdn", "prepared"), ("gdn", "fused"), ("gdn", "fused_no_bias"),
+    ("kda", "prepared"), ("kda", "fused"), ("kda", "fused_no_bias"), ("kda", "safe"), ("kda", "safe_no_bias"),
+    ("lightning", "l2norm"), ("lightning", "no_l2norm"),
+])
+def test_gates_and_recipes(mode, gate, generator):
+    """Every fused-gate variant (and the prepared gate), fp32 end to end: within 1e-5 of the oracle.
+    Run as a deferred verify of 2 tokens plus its commit, so the gate acts on a multi-token path."""
+    N, T = 3, 2
+    kw = random_inputs(mode, (N, T), **GVA, dtype=torch.float32, fused_gate=gate != "prepared",
+                       generator=generator)
+    if gate.endswith("no_bias"):
+        kw["dt_bias"] = None
+    if gate.startswith("safe"):
+        kw["lower_bound"] = -5.0
+    if gate == "no_l2norm":
+        kw["use_qk_l2norm_in_kernel"] = False
+        kw["scale"] = 0.05
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32)
+    pool, _ = _pool(GVA, torch.float32, [2, 0], generator)
+    ref_pool = pool.double()
+    accepted = torch.tensor([1, 2, 2], dtype=torch.int32)
+    q, k, v, rest = _split(kw)
+    o, pending = cula_verify(q, k, v, pool, mode=mode, state_indices=slots, protocol="deferred", **rest, **TRITON)
+    cula_commit(pending, accepted)
+    q, k, v, rest = _split(to_float64(kw))
+    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode=mode, state_indices=slots, protocol="deferred",
+                                     **rest, **ORACLE)
+    cula_commit(ref_pending, accepted, algorithm="recurrent", compute_dtype=torch.float64)
+    assert_close(o, ref_o, 1e-5)
+    _assert_same_writes(pool, ref_pool, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# verify and commit
+
+
+def _protocol_call(protocol, pool, T):
+    """(call, oracle_call, accepted): the pool-side arguments of a verify of SLOTS on ``pool`` for
+    the backend under test and for the oracle, and the accepted counts of the commit that follows;
+    the live rows cover every accepted length (0..T, slots 1..T)."""
+    N = len(SLOTS)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    if protocol == "deferred":
+        return dict(state_indices=slots), dict(state_indices=slots), torch.tensor([3, 0, 2, 4, 1, 2], dtype=torch.int32)
+    if protocol == "buffer":
+        # a spare token per row and a spare row (also the padding row's): both must stay NaN.
+        # The oracle's buffer has exactly T tokens per row.
+        buffer = torch.full((N + 1, T + 1, *pool.shape[1:]), float("nan"), dtype=pool.dtype)
+        rows = torch.tensor([4, 0, 6, 1, 5, 2], dtype=torch.int32)
+        call = dict(state_indices=slots, intermediate_states=buffer, intermediate_indices=rows)
+        return (call, dict(call, intermediate_states=buffer[:, :T].double()),
+                torch.tensor([3, 0, 2, 4, 1, 2], dtype=torch.int32))
+    # slots: column t of row n receives the state after token t; the previous step accepted
+    # prev[n] tokens, so the row's state is in column prev[n] - 1, its slot; the other columns are
+    # scratch slots past P
+    columns = torch.full((N, T), -1, dtype=torch.int32)
+    scratch = iter(range(P, POOL_SIZE))
+    prev = torch.tensor([1, 3, 2, 4, 2, 1], dtype=torch.int32)
+    for n, slot in enumerate(SLOTS):
+        if slot >= 0:
+            for t in range(T):
+                columns[n, t] = slot if t == prev[n] - 1 else next(scratch)
+    columns[4, 3] = -1  # a live row whose last column is not written, nor copied by commit(4)
+    call = dict(state_indices=columns, num_accepted_tokens=prev)
+    return call, call, torch.tensor([4, 1, 2, 3, 4, 2], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("protocol", ["buffer", "slots", "deferred"])
+def test_verify_and_commit_match_oracle(mode, state_dtype, protocol, generator):
+    """bf16 inputs; the bf16 pools are strided (vLLM pages)."""
+    T = 4
+    kw = random_inputs(mode, (len(SLOTS), T), **GVA, generator=generator)
+    strided = state_dtype == torch.bfloat16
+    pool, base = _pool(GVA, state_dtype, [s for s in SLOTS if s >= 0], generator, strided)
+    call, ref_call, accepted = _protocol_call(protocol, pool, T)
+    ref_pool = pool.double()
+    before = pool.clone()
+    q, k, v, rest = _split(kw)
+    o, pending = cula_verify(q, k, v, pool, mode=mode, protocol=protocol, **call, **rest, **TRITON)
+    q, k, v, rest = _split(to_float64(kw))
+    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode=mode, protocol=protocol, **ref_call, **rest, **ORACLE)
+    tol = tolerance(torch.bfloat16, state_dtype)
+    assert_close(o, ref_o, tol, "verify outputs")
+    assert (o[PAD] == 0).all()
+    if protocol == "slots":
+        _assert_same_writes(pool, ref_pool, tol, "pool after verify")
+    else:
+        assert torch.equal(pool.nan_to_num(7.0), before.nan_to_num(7.0)), "verify wrote the pool"
+    if protocol == "buffer":
+        buffer = call["intermediate_states"]
+        _assert_same_writes(buffer[:, :T], ref_call["intermediate_states"], tol, "intermediate states")
+        assert torch.isnan(buffer[:, T].float()).all() and torch.isnan(buffer[6].float()).all()
+
+    cula_commit(pending, accepted)
+    cula_commit(ref_pending, accepted, algorithm="recurrent", compute_dtype=torch.float64)
+    _assert_same_writes(pool, ref_pool, tol, "pool after commit")
+    assert_untouched(pool, UNUSED)
+    if strided:
+        assert torch.isnan(base[:, 1].float()).all(), "the other half of the strided pool was written"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_verify_equals_decode_steps(mode, generator):
+    """Within the backend: T decode steps and a verify in each protocol give the same outputs,
+    the same per-token states, and commit(a) the state after a steps (fp32 pool)."""
+    T, N = 3, 4
+    slots = torch.tensor([3, -1, 0, 2], dtype=torch.int32)
+    live = [0, 2, 3]
+    kw = random_inputs(mode, (N, T), **GVA, generator=generator)
+    pool, _ = _pool(GVA, torch.float32, [3, 0, 2], generator)
+    q, k, v, rest = _split(kw)
+    per_token = {key: val for key, val in rest.items() if isinstance(val, torch.Tensor) and val.dim() >= 3}
+
+    work = pool.clone()
+    outputs, states = [], []
+    for t in range(T):
+        step = {key: val[:, t:t + 1] for key, val in per_token.items()}
+        o, _ = cula_decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], work, mode=mode, state_indices=slots,
+                           **{**rest, **step}, **TRITON)
+        outputs.append(o)
+        states.append(work[slots[live].long()].clone())
+    steps_o = torch.cat(outputs, 1)
+
+    def same(x, y, what):
+        assert relative_error(x, y) <= 1e-5, what
+
+    buffer = torch.zeros(N, T, *pool.shape[1:])
+    o, _ = cula_verify(q, k, v, pool.clone(), mode=mode, protocol="buffer", state_indices=slots,
+                       intermediate_states=buffer, **rest, **TRITON)
+    same(o, steps_o, "buffer outputs")
+    for t in range(T):
+        same(buffer[live, t], states[t], f"buffer state {t}")
+
+    columns = torch.tensor([[3, 4, 5], [-1, -1, -1], [0, 6, 7], [2, 8, 9]], dtype=torch.int32)
+    slot_pool = torch.cat([pool, torch.zeros(6, *pool.shape[1:])])
+    o, _ = cula_verify(q, k, v, slot_pool, mode=mode, protocol="slots", state_indices=columns,
+                       num_accepted_tokens=torch.ones(N, dtype=torch.int32), **rest, **TRITON)
+    same(o, steps_o, "slots outputs")
+    for t in range(T):
+        same(slot_pool[columns[live, t].long()], states[t], f"slots state {t}")
+
+    for a in range(T + 1):
+        work = pool.clone()
+        o, pending = cula_verify(q, k, v, work, mode=mode, protocol="deferred", state_indices=slots, **rest, **TRITON)
+        same(o, steps_o, "deferred outputs")
+        cula_commit(pending, torch.full((N,), a, dtype=torch.int32))
+        same(work[slots[live].long()], states[a - 1] if a else pool[slots[live].long()], f"commit({a})")
+
+
+# ------------------------------------------------------------------------------------------------
+# backend interface
+
+
+def test_availability_and_head_dims():
+    assert triton_backend.availability(torch.device("cpu")) is None
+    assert triton_backend.head_dims_error(128, 128) is None and triton_backend.head_dims_error(16, 256) is None
+    assert "K=96" in triton_backend.head_dims_error(96, 128)
+    assert triton_backend.head_dims_error(128, 512) is not None
+    kw = random_inputs("gdn", (2, 1), H=1, HV=1, K=24, V=32)
+    q, k, v, rest = _split(kw)
+    with pytest.raises(ValueError, match="triton"):
+        cula_decode(q, k, v, torch.zeros(2, 1, 32, 24), mode="gdn", **rest, **TRITON)
+
+
+def test_unknown_keyword_and_bad_pool_layout_raise_before_writing(generator):
+    kw = random_inputs("kda", (2, 1), **GVA, generator=generator)
+    q, k, v, rest = _split(kw)
+    pool, _ = _pool(GVA, torch.float32, [0, 1], generator)
+    before = pool.clone()
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cula_decode(q, k, v, pool, mode="kda", **rest, algorithm="recurrent", **TRITON)
+    # K not innermost: pool[slot, hv, v, k] with a transposed [K, V] storage
+    transposed = pool.transpose(-1, -2).contiguous().transpose(-1, -2)
+    with pytest.raises(ValueError, match="state_pool"):
+        cula_decode(q, k, v, transposed, mode="kda", **rest, **TRITON)
+    assert torch.equal(pool.nan_to_num(7.0), before.nan_to_num(7.0))
+    assert torch.equal(transposed.nan_to_num(7.0), before.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("mode", ["gdn", "lightning"])
+def test_prefill_dispatches_to_the_chunk_kernels(mode, monkeypatch):
+    """prefill hands the backend's arguments unchanged to the family's chunked Triton kernel."""
+    name, function = ((".delta_rule.chunk_triton", "delta_rule_prefill") if mode == "gdn"
+                      else (".lightning.chunk_triton", "lightning_prefill"))
+    calls = []
+    fake = types.ModuleType("cula_serve.kernels" + name)
+    setattr(fake, function, lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setitem(sys.modules, "cula_serve.kernels" + name, fake)
+    kw = random_inputs(mode, (1, 5), **GVA)
+    pool = torch.zeros(2, 4, 32, 32)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    prefill = cula_gdn if mode == "gdn" else cula_lightning
+    prefill(**kw, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor([1, 0]), **TRITON)
+    (args, kwargs), = calls
+    assert args[0].mode == mode and args[1].shape == (5, 2, 32) and args[3].shape == (5, 4, 32)
+    assert sorted(kwargs) == ["checkpoint_every", "checkpoint_indices", "cu_seqlens", "has_initial_state", "out",
+                              "state_indices", "state_pool"]
+    assert kwargs["state_pool"] is pool and kwargs["state_indices"].dtype == torch.int32
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        prefill(**kw, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor([1, 0]), chunk_size=64, **TRITON)
