@@ -7,6 +7,7 @@ best backend for the device. Level 0 kernels live in ``cula_serve.kernels``.
 from .api import PendingCommit, cula_commit, cula_decode, cula_gdn, cula_kda, cula_lightning, cula_verify
 from .dispatch import BackendUnavailableError
 from .pool import StatePool, k_first_to_k_last, k_last_to_k_first
+from .warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -22,4 +23,5 @@ __all__ = [
     "cula_verify",
     "k_first_to_k_last",
     "k_last_to_k_first",
+    "warmup",
 ]

@@ -323,3 +323,12 @@ def test_prefill_dispatches_to_the_chunk_kernels(mode, monkeypatch):
     assert kwargs["state_pool"] is pool and kwargs["state_indices"].dtype == torch.int32
     with pytest.raises(TypeError, match="unexpected keyword"):
         prefill(**kw, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor([1, 0]), chunk_size=64, **TRITON)
+
+
+def test_warmup_compiles_every_bucket_without_error():
+    from cula_serve import warmup
+
+    calls = warmup("gdn", H=1, HV=2, K=16, V=16, batch_sizes=(1, 3), verify_tokens=(2,), device="cpu",
+                   backend="triton", use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                   A_log=torch.zeros(2), dt_bias=torch.zeros(2), use_beta_sigmoid_in_kernel=True)
+    assert calls == 2 * (1 + 2 * 3)
