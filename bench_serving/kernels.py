@@ -4,7 +4,8 @@ For each case, every candidate first runs once on the same inputs and is compare
 reference backend (outputs and final states, relative error <= 5e-3, DESIGN section 7); one that
 disagrees is reported as wrong and not timed. Prefill reports ns per token-head, decode TB/s of
 state traffic (one read and one write of every live state); both report the ratio to FLA measured
-in this process.
+in this process. Decode is timed as CUDA-graph replay, as engines run it (a contender that cannot
+be captured is timed eagerly and marked so); prefill eagerly.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from cula_serve.inputs import random_inputs, relative_error
 
 from . import peers
 from .cases import Case, cpu_cases, gpu_cases
-from .timing import time_call
+from .timing import time_call, time_graph
 
 PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
 AGREEMENT = 5e-3
@@ -96,7 +97,13 @@ def run_case(case: Case, device, versions, generator):
             continue
         if work is not None:
             work.copy_(start_states)
-        ms = time_call(run, device)
+        ms = None
+        if case.op == "decode" and device.type == "cuda":
+            ms = time_graph(run, device)
+            row["timing"] = "graph" if ms is not None else "eager (capture failed)"
+        if ms is None:
+            ms = time_call(run, device)
+            row.setdefault("timing", "eager")
         row.update(status="ok", ms=ms)
         if case.op == "prefill":
             row["ns_per_token_head"] = ms * 1e6 / (sum(case.seqlens) * case.HV)
@@ -118,7 +125,8 @@ def _print_rows(rows):
         metric = (f"{r['ns_per_token_head']:8.3f} ns/tok-head" if "ns_per_token_head" in r
                   else f"{r['TBps']:8.3f} TB/s       ")
         ratio = f"{r['speedup_vs_fla']:6.2f}x FLA" if "speedup_vs_fla" in r else ""
-        print(f"{r['case']:38s} {r['backend']:12s} {r['ms']:9.4f} ms {metric} {ratio}  (err {r['rel_err']:.1e})",
+        print(f"{r['case']:38s} {r['backend']:12s} {r['ms']:9.4f} ms {metric} {ratio:11s} {r['timing']:6s} "
+              f"(err {r['rel_err']:.1e})",
               flush=True)
 
 

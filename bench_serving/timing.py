@@ -31,3 +31,22 @@ def time_call(fn, device: torch.device, *, reps: int = 20, warmup: int = 3) -> f
         end.record()
     torch.cuda.synchronize(device)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_graph(fn, device: torch.device, *, reps: int = 50) -> float | None:
+    """Median milliseconds of replaying ``fn`` captured in a CUDA graph (how engines run decode:
+    no host work per step), L2 flushed before each replay. None if ``fn`` cannot be captured."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and settle allocations outside the capture
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001 - a peer that syncs or allocates on the host cannot be captured
+        torch.cuda.synchronize(device)
+        return None
+    return time_call(graph.replay, device, reps=reps)
