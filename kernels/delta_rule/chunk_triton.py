@@ -1,0 +1,655 @@
+"""Chunked prefill of the gated delta rule (GDN and KDA) in Triton: two kernels, one core.
+
+The math is ``chunk_torch.py``'s WY form (read its docstring first). Per chunk of C = 64 tokens,
+with G the chunk-local cumulative log gate (per token for GDN, per token and channel for KDA),
+q and k l2-normalised, and S0 the state entering the chunk:
+
+    A_ts  = sum_k k_t[k] k_s[k] exp(G_t[k] - G_s[k])          s < t     (keys against keys)
+    P_ts  = scale sum_k q_t[k] k_s[k] exp(G_t[k] - G_s[k])     s <= t    (queries against keys)
+    M     = I + diag(beta) A                                            (unit lower triangular)
+    W     = M^-1 diag(beta) (exp(G) * K)          U~ = M^-1 diag(beta) V
+    U     = U~ - W S0
+    O     = scale (exp(G) * Q) S0 + P U
+    S_out = exp(G_C) * S0 + (exp(G_C - G) * K)^T U
+
+GDN is this with a scalar gate broadcast over the K channels; the kernels are shared and a
+constexpr (PER_CHANNEL) picks how a decay is applied, nothing else.
+
+Launches per call: three.
+0. ``kernels.common.varlen.chunk_indices``: the (sequence, chunk) of every global chunk id, on
+   the device (no host synchronisation).
+1. ``_delta_intra_kernel``, grid (T // C + N, HV): one program per (chunk, value head), all
+   independent. Loads q, k, the gate and beta of its chunk once in 16-row sub-chunks, applies
+   l2norm, the fused gate, the in-chunk cumulative sum and the beta sigmoid in registers, builds
+   A and P in 16 x 16 blocks, inverts M by blocks (forward substitution on the four diagonal
+   blocks, then (M^-1)_ij = -(M^-1)_ii sum_m M_im (M^-1)_mj) and writes W [T, HV, K],
+   U~ [T, HV, V] and the lower blocks of P [T, HV, C] to a workspace.
+2. ``_delta_state_kernel``, grid (N, HV, V / BV): one program per (sequence, value head, V
+   tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. Per chunk it
+   rereads q, k and the gate (recomputing l2norm, gate and cumulative sum is cheaper than a
+   workspace round trip of exp(G) Q and exp(G_C - G) K), reads W, U~, P and applies the four
+   products above. The state goes to memory only at the end (the pool slot) and at requested
+   checkpoints; FLA's chunk_h writes every chunk's state, this never does.
+
+Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
+workspace W, U~, P written once and read once (W and P once per V tile, mostly from L2). With
+bf16 inputs and K = V = 128 that is 2 (K + C) + 4 V = 896 bytes each way; the workspace is
+allocated per call ([T, HV, K + V + C], about 28 MB per 1000 tokens at 32 value heads).
+
+Numerics of the gate. exp(G_t - G_s) <= 1 for s <= t, but exp(-G_s) alone overflows float32
+once a chunk's gates sum below about -88, which KDA's unbounded per-channel gate reaches easily.
+Nothing here forms exp(-G) alone:
+  - off-diagonal 16 x 16 blocks (rows t in sub-chunk i, columns s in sub-chunk j < i) split the
+    decay at the cumulative gate r_i at the end of sub-chunk i - 1:
+        exp(G_t - G_s) = exp(G_t - r_i) * exp(r_i - G_s),
+    both factors <= 1 since G is non-increasing (t comes after r_i's row, s before it). The block
+    is then one tensor-core product of two decayed tiles; a factor can only underflow when the
+    true product is smaller still.
+  - diagonal blocks are formed exactly, one key column s at a time: exp(G_t - G_s) over the rows
+    t >= s of the sub-chunk, elementwise (16 x K per column).
+  - W uses exp(G_t) <= 1, the state update exp(G_C - G_t) <= 1 and exp(G_C) <= 1.
+  - GDN's scalar decays are 16 x 16 matrices exp(G_t - G_s), masked to s <= t before the
+    exponential. Its cumulative sums run in float64 (a few scalars per token): with strong
+    decays |G| reaches the thousands within a chunk, and float32 sums would leave absolute
+    errors of ~1e-4 in G_t - G_s, which the exponential turns into relative errors.
+
+Precision. Arithmetic and the state are float32. Products follow the inputs' dtype:
+  - float32 inputs: every product is "tf32x3" (float32 accuracy on the tensor cores).
+  - bf16 inputs: products whose operands are both raw inputs (GDN's q k^T and k k^T, with the
+    l2norm and decay applied to the 16 x 16 result) use bf16 operands, exact. Products whose
+    error is amplified (KDA's decayed A and P, M^-1 times K and V, P U, K^T U: U = U~ - W S is a
+    difference of close terms) use tf32. W S and (exp(G) Q) S use bf16 operands: their rounding
+    stays below the bf16 output's own. The workspace holds W and P in bf16, U~ in float32.
+  - fp16 inputs: as bf16 with fp16 for the raw-input products and tf32 in place of bf16.
+  - the 16 x 16 products of the triangular solve are always IEEE float32.
+Scalar row factors (l2norm, GDN's gate, beta) are folded into the smaller operand of each
+product, so raw input tiles enter the tensor cores unrounded.
+
+Varlen and serving: no host synchronisation. Padding sequences (negative slot) read and write
+nothing and get zero outputs; their chunks are skipped by the intra kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.chunking import CHUNK_SIZE
+from ..common.prep import L2NORM_EPS, Recipe
+from ..common.varlen import chunk_indices, max_chunks
+
+SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
+EPS = tl.constexpr(L2NORM_EPS)
+MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
+
+
+# ---------------------------------------------------------------------------------------------
+# device helpers shared by both kernels
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b with float32 accumulation. PREC: "bf16" / "fp16" (operands rounded to that type),
+    or a float32 ``input_precision``: "tf32", "tf32x3", "ieee"."""
+    if PREC == "bf16":
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "fp16":
+        c = tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return c
+
+
+@triton.jit
+def _inv_norm(x, QK_L2NORM: tl.constexpr):
+    """Per row of a [R, D] tile: 1 / sqrt(sum(x^2) + eps) with QK_L2NORM, else 1 ([R], float32)."""
+    if QK_L2NORM:
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, 1) + EPS)
+    else:
+        r = tl.full([x.shape[0]], 1.0, tl.float32)
+    return r
+
+
+@triton.jit
+def _softplus(x):
+    # log(1 + e^x) = max(x, 0) + log(1 + e^-|x|): e^-|x| <= 1 never overflows
+    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _load_rows(ptr, tok, rmask, s_t, s_d, D: tl.constexpr, BD: tl.constexpr):
+    """Rows ``tok`` [R] of one head (``ptr`` points at it) of a token-major tensor: an [R, BD]
+    tile in the tensor's dtype; masked rows and padded columns read as zero."""
+    d = tl.arange(0, BD)
+    return tl.load(ptr + tok[:, None] * s_t + d[None, :] * s_d, mask=rmask[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
+                    K: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                    FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr):
+    """Log decay of rows ``tok`` of one value head (``g``, ``dt_bias`` point at it): [R, BK] (KDA)
+    or [R] (GDN), float32, exactly zero on masked rows and padded channels so that they neither
+    decay the state nor count in the cumulative sums.
+
+    With FUSED_GATE, ``g`` holds the raw projection a and A = exp(A_log[hv]):
+    -A * softplus(a + dt_bias), or the safe gate lower_bound * sigmoid(A * (a + dt_bias)).
+    """
+    if PER_CHANNEL:
+        kk = tl.arange(0, BK)
+        mask = rmask[:, None] & (kk < K)[None, :]
+        a = tl.load(g + tok[:, None] * s_gt + kk[None, :] * s_gk, mask=mask, other=0.0).to(tl.float32)
+    else:
+        mask = rmask
+        a = tl.load(g + tok * s_gt, mask=mask, other=0.0).to(tl.float32)
+    if FUSED_GATE:
+        if HAS_DT_BIAS:
+            if PER_CHANNEL:
+                a += tl.load(dt_bias + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+            else:
+                a += tl.load(dt_bias).to(tl.float32)
+        if SAFE_GATE:
+            a = lower_bound * tl.sigmoid(A * a)
+        else:
+            a = -A * _softplus(a)
+    return tl.where(mask, a, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel 1: everything inside a chunk that does not depend on the state
+
+
+@triton.jit
+def _load_sub(q, k, g, beta, t0, row0, L, carry, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt,
+              A, dt_bias, lower_bound,
+              K: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr,
+              FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+              BETA_LOGITS: tl.constexpr):
+    """Rows row0 .. row0 + 15 of the chunk starting at token t0 (L valid rows); the pointers are
+    at the program's qk head (q, k) and value head (g, beta, dt_bias).
+
+    Returns q, k [16, BK] as loaded, their inverse row norms [16], G [16, BK] (KDA, float32) or
+    [16] (GDN, float64): the cumulative log gate from the chunk start (``carry`` is its value
+    before row0), beta [16], and the carry after the sub-chunk.
+    """
+    r = row0 + tl.arange(0, SUB)
+    rmask = r < L
+    tok = t0 + r
+    qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
+    kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
+    gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
+                         K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+    if PER_CHANNEL:
+        G = tl.cumsum(gg, 0) + carry[None, :]
+    else:
+        gg = gg.to(tl.float64)
+        G = tl.cumsum(gg, 0) + carry
+    b = tl.load(beta + tok * s_bt, mask=rmask, other=0.0).to(tl.float32)
+    if BETA_LOGITS:
+        b = tl.sigmoid(b)
+    b = tl.where(rmask, b, 0.0)
+    return qq, kk, _inv_norm(qq, QK_L2NORM), _inv_norm(kk, QK_L2NORM), G, b, carry + tl.sum(gg, 0)
+
+
+@triton.jit
+def _diag_block(qi, ki, rqi, rki, Gi, PER_CHANNEL: tl.constexpr, PREC_IN: tl.constexpr):
+    """A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16 block."""
+    r = tl.arange(0, SUB)
+    if PER_CHANNEL:
+        # exact pairwise decays, one key column s at a time: exp(G_t - G_s) for rows t >= s only
+        qf = qi.to(tl.float32) * rqi[:, None]
+        kf = ki.to(tl.float32) * rki[:, None]
+        A = tl.zeros([SUB, SUB], dtype=tl.float32)
+        P = tl.zeros([SUB, SUB], dtype=tl.float32)
+        for s in range(SUB):  # not unrolled: bounded live ranges
+            pick = (r == s)[:, None]
+            k_s = tl.sum(tl.where(pick, kf, 0.0), 0)
+            G_s = tl.sum(tl.where(pick, Gi, 0.0), 0)
+            decayed = tl.exp(tl.where((r >= s)[:, None], Gi - G_s[None, :], 0.0)) * k_s[None, :]
+            col = (r == s)[None, :]
+            A = tl.where(col, tl.sum(kf * decayed, 1)[:, None], A)
+            P = tl.where(col, tl.sum(qf * decayed, 1)[:, None], P)
+    else:
+        decay = tl.exp(tl.where(r[:, None] >= r[None, :], Gi[:, None] - Gi[None, :], 0.0).to(tl.float32))
+        kt = tl.trans(ki)
+        A = _dot(ki, kt, PREC_IN) * (decay * rki[:, None] * rki[None, :])
+        P = _dot(qi, kt, PREC_IN) * (decay * rqi[:, None] * rki[None, :])
+    A = tl.where(r[:, None] > r[None, :], A, 0.0)
+    P = tl.where(r[:, None] >= r[None, :], P, 0.0)
+    return A, P
+
+
+@triton.jit
+def _off_block(qi, ki, rqi, rki, Gi, kj, rkj, Gj, ref, PER_CHANNEL: tl.constexpr,
+               PREC_IN: tl.constexpr, PREC_ACC: tl.constexpr):
+    """A and P / scale of the block of rows in sub-chunk i and columns in an earlier sub-chunk j.
+    ``ref`` is the cumulative gate at the end of sub-chunk i - 1 (KDA only)."""
+    if PER_CHANNEL:
+        # exp(G_t - G_s) = exp(G_t - ref) * exp(ref - G_s), both factors <= 1
+        row = tl.exp(Gi - ref[None, :])
+        kt = tl.trans(kj.to(tl.float32) * (rkj[:, None] * tl.exp(ref[None, :] - Gj)))
+        A = _dot(ki.to(tl.float32) * (rki[:, None] * row), kt, PREC_ACC)
+        P = _dot(qi.to(tl.float32) * (rqi[:, None] * row), kt, PREC_ACC)
+    else:
+        decay = tl.exp((Gi[:, None] - Gj[None, :]).to(tl.float32))
+        kt = tl.trans(kj)
+        A = _dot(ki, kt, PREC_IN) * (decay * rki[:, None] * rkj[None, :])
+        P = _dot(qi, kt, PREC_IN) * (decay * rqi[:, None] * rkj[None, :])
+    return A, P
+
+
+@triton.jit
+def _invert_unit_lower16(N):
+    """(I + N)^-1 for a strictly lower triangular 16 x 16 N, by forward substitution:
+    row i of the inverse is e_i - sum_{j<i} N[i, j] (row j of the inverse)."""
+    r = tl.arange(0, SUB)
+    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, SUB):
+        n_i = tl.sum(tl.where(r[:, None] == i, N, 0.0), 0)  # row i of N
+        X = tl.where(r[:, None] == i, X - tl.sum(n_i[:, None] * X, 0)[None, :], X)
+    return X
+
+
+@triton.jit
+def _mm(a, b):
+    """16 x 16 products of the block inversion, in IEEE float32: the solve sets the accuracy."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _store_rows(ptr, x, tok, rmask, hv, HV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Rows of a contiguous [T, HV, D] workspace."""
+    d = tl.arange(0, BD)
+    tl.store(ptr + (tok[:, None] * HV + hv) * D + d[None, :], x.to(ptr.dtype.element_ty),
+             mask=rmask[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _store_p_block(P_ws, x, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
+    r = row0 + tl.arange(0, SUB)
+    c = col0 + tl.arange(0, SUB)
+    tl.store(P_ws + ((t0 + r)[:, None] * HV + hv) * C + c[None, :], x.to(P_ws.dtype.element_ty),
+             mask=(r < L)[:, None])
+
+
+@triton.jit
+def _w_operand(kj, rkj, Gj, PER_CHANNEL: tl.constexpr):
+    """W = M^-1 diag(beta) (exp(G) * K / |k|) is computed as sum_j (M^-1)_ij diag(beta_j c_j) X_j.
+    KDA: X_j = exp(G_j) * k_j / |k_j| and c_j = 1. GDN: the row factor goes to c_j and the raw
+    k_j tile enters the product as loaded. Returns (X_j, c_j)."""
+    if PER_CHANNEL:
+        X = kj.to(tl.float32) * (rkj[:, None] * tl.exp(Gj))
+        c = tl.full([SUB], 1.0, tl.float32)
+    else:
+        X = kj
+        c = rkj * tl.exp(Gj.to(tl.float32))
+    return X, c
+
+
+@triton.jit
+def _delta_intra_kernel(
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+    cu_seqlens, chunk_table, state_indices,
+    W_ws, U_ws, P_ws,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr, PREC_ACC: tl.constexpr,
+):
+    """One (chunk, value head): W, U~ and P of the chunk into the workspace (module docstring)."""
+    tl.static_assert(C == 4 * SUB)
+    i_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // GROUP
+    n = tl.load(chunk_table + 2 * i_c)
+    live = n >= 0
+    if HAS_SLOTS:
+        live = live & (tl.load(state_indices + tl.maximum(n, 0)) >= 0)  # padding: nothing to do
+    if live:
+        c = tl.load(chunk_table + 2 * i_c + 1)
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        t0 = bos + c * C
+        L = tl.minimum(eos - t0, C).to(tl.int32)
+        q += h * s_qh
+        k += h * s_kh
+        v += hv * s_vh
+        g += hv * s_gh
+        beta += hv * s_bh
+        A = 0.0
+        if FUSED_GATE:
+            A = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        if PER_CHANNEL:
+            dt_bias += hv * K
+            r0 = tl.zeros([BK], dtype=tl.float32)
+        else:
+            dt_bias += hv
+            r0 = tl.zeros([], dtype=tl.float64)
+
+        # Row block by row block (sub-chunk i = rows 16 i .. 16 i + 15), so that A and P die as
+        # soon as their row of M^-1 exists: load sub-chunk i, form A_ij and P_ij for j <= i, store
+        # P, then row i of M^-1 (M_ij = beta_i A_ij below the diagonal):
+        #   (M^-1)_ii by substitution, (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} M_im (M^-1)_mj,
+        # then rows i of U~ = M^-1 diag(beta) V and W (see _w_operand).
+        # r_i is the cumulative gate at the end of sub-chunk i - 1: the reference of row block i.
+        r = tl.arange(0, SUB)
+        tok = t0 + r
+
+        q0, k0, rq0, rk0, G0, b0, r1 = _load_sub(
+            q, k, g, beta, t0, 0, L, r0, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+            K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+        A00, P00 = _diag_block(q0, k0, rq0, rk0, G0, PER_CHANNEL, PREC_IN)
+        _store_p_block(P_ws, scale * P00, t0, 0, 0, L, hv, HV, C)
+        I00 = _invert_unit_lower16(b0[:, None] * A00)
+        X0, c0 = _w_operand(k0, rk0, G0, PER_CHANNEL)
+        c0 *= b0
+        v0 = _load_rows(v, tok, r < L, s_vt, s_vv, V, BV)
+        _store_rows(U_ws, _dot(I00 * b0[None, :], v0, PREC_ACC), tok, r < L, hv, HV, V, BV)
+        _store_rows(W_ws, _dot(I00 * c0[None, :], X0, PREC_ACC), tok, r < L, hv, HV, K, BK)
+
+        q1, k1, rq1, rk1, G1, b1, r2 = _load_sub(
+            q, k, g, beta, t0, SUB, L, r1, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+            K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+        A11, P11 = _diag_block(q1, k1, rq1, rk1, G1, PER_CHANNEL, PREC_IN)
+        A10, P10 = _off_block(q1, k1, rq1, rk1, G1, k0, rk0, G0, r1, PER_CHANNEL, PREC_IN, PREC_ACC)
+        _store_p_block(P_ws, scale * P10, t0, SUB, 0, L, hv, HV, C)
+        _store_p_block(P_ws, scale * P11, t0, SUB, SUB, L, hv, HV, C)
+        I11 = _invert_unit_lower16(b1[:, None] * A11)
+        I10 = -_mm(I11, _mm(b1[:, None] * A10, I00))
+        X1, c1 = _w_operand(k1, rk1, G1, PER_CHANNEL)
+        c1 *= b1
+        v1 = _load_rows(v, tok + SUB, r + SUB < L, s_vt, s_vv, V, BV)
+        U1 = _dot(I10 * b0[None, :], v0, PREC_ACC) + _dot(I11 * b1[None, :], v1, PREC_ACC)
+        W1 = _dot(I10 * c0[None, :], X0, PREC_ACC) + _dot(I11 * c1[None, :], X1, PREC_ACC)
+        _store_rows(U_ws, U1, tok + SUB, r + SUB < L, hv, HV, V, BV)
+        _store_rows(W_ws, W1, tok + SUB, r + SUB < L, hv, HV, K, BK)
+
+        q2, k2, rq2, rk2, G2, b2, r3 = _load_sub(
+            q, k, g, beta, t0, 2 * SUB, L, r2, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+            K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+        A22, P22 = _diag_block(q2, k2, rq2, rk2, G2, PER_CHANNEL, PREC_IN)
+        A20, P20 = _off_block(q2, k2, rq2, rk2, G2, k0, rk0, G0, r2, PER_CHANNEL, PREC_IN, PREC_ACC)
+        A21, P21 = _off_block(q2, k2, rq2, rk2, G2, k1, rk1, G1, r2, PER_CHANNEL, PREC_IN, PREC_ACC)
+        _store_p_block(P_ws, scale * P20, t0, 2 * SUB, 0, L, hv, HV, C)
+        _store_p_block(P_ws, scale * P21, t0, 2 * SUB, SUB, L, hv, HV, C)
+        _store_p_block(P_ws, scale * P22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
+        I22 = _invert_unit_lower16(b2[:, None] * A22)
+        M21 = b2[:, None] * A21
+        I21 = -_mm(I22, _mm(M21, I11))
+        I20 = -_mm(I22, _mm(b2[:, None] * A20, I00) + _mm(M21, I10))
+        X2, c2 = _w_operand(k2, rk2, G2, PER_CHANNEL)
+        c2 *= b2
+        v2 = _load_rows(v, tok + 2 * SUB, r + 2 * SUB < L, s_vt, s_vv, V, BV)
+        U2 = (_dot(I20 * b0[None, :], v0, PREC_ACC) + _dot(I21 * b1[None, :], v1, PREC_ACC)
+              + _dot(I22 * b2[None, :], v2, PREC_ACC))
+        W2 = (_dot(I20 * c0[None, :], X0, PREC_ACC) + _dot(I21 * c1[None, :], X1, PREC_ACC)
+              + _dot(I22 * c2[None, :], X2, PREC_ACC))
+        _store_rows(U_ws, U2, tok + 2 * SUB, r + 2 * SUB < L, hv, HV, V, BV)
+        _store_rows(W_ws, W2, tok + 2 * SUB, r + 2 * SUB < L, hv, HV, K, BK)
+
+        q3, k3, rq3, rk3, G3, b3, _ = _load_sub(
+            q, k, g, beta, t0, 3 * SUB, L, r3, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+            K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+        A33, P33 = _diag_block(q3, k3, rq3, rk3, G3, PER_CHANNEL, PREC_IN)
+        A30, P30 = _off_block(q3, k3, rq3, rk3, G3, k0, rk0, G0, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
+        A31, P31 = _off_block(q3, k3, rq3, rk3, G3, k1, rk1, G1, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
+        A32, P32 = _off_block(q3, k3, rq3, rk3, G3, k2, rk2, G2, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
+        _store_p_block(P_ws, scale * P30, t0, 3 * SUB, 0, L, hv, HV, C)
+        _store_p_block(P_ws, scale * P31, t0, 3 * SUB, SUB, L, hv, HV, C)
+        _store_p_block(P_ws, scale * P32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
+        _store_p_block(P_ws, scale * P33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
+        I33 = _invert_unit_lower16(b3[:, None] * A33)
+        M31 = b3[:, None] * A31
+        M32 = b3[:, None] * A32
+        I32 = -_mm(I33, _mm(M32, I22))
+        I31 = -_mm(I33, _mm(M31, I11) + _mm(M32, I21))
+        I30 = -_mm(I33, _mm(b3[:, None] * A30, I00) + _mm(M31, I10) + _mm(M32, I20))
+        X3, c3 = _w_operand(k3, rk3, G3, PER_CHANNEL)
+        c3 *= b3
+        v3 = _load_rows(v, tok + 3 * SUB, r + 3 * SUB < L, s_vt, s_vv, V, BV)
+        U3 = (_dot(I30 * b0[None, :], v0, PREC_ACC) + _dot(I31 * b1[None, :], v1, PREC_ACC)
+              + _dot(I32 * b2[None, :], v2, PREC_ACC) + _dot(I33 * b3[None, :], v3, PREC_ACC))
+        W3 = (_dot(I30 * c0[None, :], X0, PREC_ACC) + _dot(I31 * c1[None, :], X1, PREC_ACC)
+              + _dot(I32 * c2[None, :], X2, PREC_ACC) + _dot(I33 * c3[None, :], X3, PREC_ACC))
+        _store_rows(U_ws, U3, tok + 3 * SUB, r + 3 * SUB < L, hv, HV, V, BV)
+        _store_rows(W_ws, W3, tok + 3 * SUB, r + 3 * SUB < L, hv, HV, K, BK)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel 2: the sequential pass over chunks, state in registers
+
+
+@triton.jit
+def _delta_state_kernel(
+    q, k, g, A_log, dt_bias, lower_bound, scale,
+    cu_seqlens, state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
+    W_ws, U_ws, P_ws, out, pool,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk,
+    s_ot, s_oh, s_ov, s_ps, s_ph, s_pv, s_pk, s_cn, s_cj,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_CKPT: tl.constexpr,
+    PREC_FAST: tl.constexpr, PREC_ACC: tl.constexpr,
+):
+    """One (sequence, value head, V tile): S0 from the pool, then per chunk
+    U = U~ - W S, O = scale (exp(G) Q) S + P U, S = exp(G_C) S + (exp(G_C - G) K)^T U."""
+    n = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // GROUP
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    ko = tl.arange(0, BK)
+    vo = tl.program_id(2) * BV + tl.arange(0, BV)
+    kmask = ko < K
+    vmask = vo < V
+    rows = tl.arange(0, C)
+    out += hv * s_oh + vo[None, :] * s_ov
+    if HAS_SLOTS:
+        slot = tl.load(state_indices + n).to(tl.int64)
+    else:
+        slot = n.to(tl.int64)
+    if slot < 0:
+        # padding: zero output rows, the pool is neither read nor written
+        for t0 in range(bos, eos, C):
+            tok = t0 + rows
+            tl.store(out + tok[:, None] * s_ot, tl.zeros([C, BV], dtype=out.dtype.element_ty),
+                     mask=(tok < eos)[:, None] & vmask[None, :])
+    else:
+        state_mask = kmask[:, None] & vmask[None, :]
+        state_offs = hv * s_ph + vo[None, :] * s_pv + ko[:, None] * s_pk  # S[k, v] = pool[slot, hv, v, k]
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_POOL:
+            read = state_mask
+            if HAS_INIT_FLAGS:
+                read = read & (tl.load(has_initial_state + n) != 0)
+            S = tl.load(pool + slot * s_ps + state_offs, mask=read, other=0.0).to(tl.float32)
+        q += h * s_qh
+        k += h * s_kh
+        g += hv * s_gh
+        A = 0.0
+        if FUSED_GATE:
+            A = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        if PER_CHANNEL:
+            dt_bias += hv * K
+        else:
+            dt_bias += hv
+        for t0 in range(bos, eos, C):
+            tok = t0 + rows
+            rmask = tok < eos
+            gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
+                                 K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+            if not PER_CHANNEL:
+                gg = gg.to(tl.float64)  # see _load_sub
+            G = tl.cumsum(gg, 0)
+            G_end = tl.sum(gg, 0)  # G at the chunk's last token (masked rows add zero)
+
+            # U = U~ - W S
+            ws_row = tok[:, None] * HV + hv
+            Wc = tl.load(W_ws + ws_row * K + ko[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            U = tl.load(U_ws + ws_row * V + vo[None, :], mask=rmask[:, None] & vmask[None, :], other=0.0)
+            U -= _dot(Wc, S, PREC_FAST)
+
+            # O = scale (exp(G) Q) S + P U
+            qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
+            if PER_CHANNEL:
+                q_dec = qq.to(tl.float32) * (_inv_norm(qq, QK_L2NORM)[:, None] * scale * tl.exp(G))
+                o = _dot(q_dec, S, PREC_FAST)
+            else:
+                o = _dot(qq, S, PREC_FAST) * (_inv_norm(qq, QK_L2NORM) * scale * tl.exp(G.to(tl.float32)))[:, None]
+            Pc = tl.load(P_ws + ws_row * C + rows[None, :], mask=rmask[:, None] & (rows[None, :] <= rows[:, None]),
+                         other=0.0)
+            o += _dot(Pc, U, PREC_ACC)
+            tl.store(out + tok[:, None] * s_ot, o.to(out.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
+
+            # S = exp(G_C) S + (exp(G_C - G) K)^T U
+            kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
+            if PER_CHANNEL:
+                k_dec = kk.to(tl.float32) * (_inv_norm(kk, QK_L2NORM)[:, None] * tl.exp(G_end[None, :] - G))
+                S = S * tl.exp(G_end)[:, None] + _dot(tl.trans(k_dec), U, PREC_ACC)
+            else:
+                U_dec = U * (_inv_norm(kk, QK_L2NORM) * tl.exp((G_end - G).to(tl.float32)))[:, None]
+                S = S * tl.exp(G_end.to(tl.float32)) + _dot(tl.trans(kk), U_dec, PREC_ACC)
+
+            if HAS_CKPT:
+                # the state after (j + 1) * checkpoint_every tokens, at full chunk ends only
+                done = t0 + C - bos
+                j = done // checkpoint_every - 1
+                due = (done % checkpoint_every == 0) & (t0 + C <= eos) & (j < num_checkpoints)
+                ck = tl.load(checkpoint_indices + n * s_cn + j * s_cj, mask=due, other=-1).to(tl.int64)
+                tl.store(pool + ck * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask & (ck >= 0))
+        if HAS_POOL:
+            tl.store(pool + slot * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def _gate_params(recipe: Recipe, device):
+    """(A_log, dt_bias, lower_bound, constexpr flags) of the fused gate; dummies where unused."""
+    fg = recipe.fused_gate
+    if fg is None:
+        dummy = torch.empty(1, dtype=torch.float32, device=device)
+        return dummy, dummy, 0.0, dict(FUSED_GATE=False, HAS_DT_BIAS=False, SAFE_GATE=False)
+    A_log = fg.A_log.contiguous()
+    dt_bias = fg.dt_bias.contiguous() if fg.dt_bias is not None else A_log
+    lower_bound = fg.lower_bound if fg.lower_bound is not None else 0.0
+    return A_log, dt_bias, lower_bound, dict(FUSED_GATE=True, HAS_DT_BIAS=fg.dt_bias is not None,
+                                             SAFE_GATE=fg.lower_bound is not None)
+
+
+def precisions(dtype: torch.dtype) -> dict:
+    """Product precisions for inputs of ``dtype`` (module docstring): PREC_IN for products of two
+    raw inputs, PREC_ACC where errors are amplified, PREC_FAST for W S and Q S.
+
+    float32 inputs take "tf32x3" (three tf32 products: float32 accuracy on the tensor cores;
+    IEEE products lower to CUDA-core FMAs whose unrolled code spills heavily, and were no more
+    accurate on an H200). The interpreter computes it exactly."""
+    if dtype == torch.float32:
+        return dict(PREC_IN="tf32x3", PREC_ACC="tf32x3", PREC_FAST="tf32x3")
+    if dtype == torch.float16:
+        return dict(PREC_IN="fp16", PREC_ACC="tf32", PREC_FAST="tf32")
+    return dict(PREC_IN="bf16", PREC_ACC="tf32", PREC_FAST="bf16")
+
+
+def sequential_config(BK: int, V: int, prec_fast: str) -> dict:
+    """(BV, num_warps, num_stages) of a kernel that walks the chunks with S [BK, BV] in registers.
+
+    Chosen from sm_90 compiles (register spills, shared memory) so that every supported head dim
+    and dtype fits 163 KB of shared memory (A100) and 227 KB (H100 / H200), then timed for bf16
+    at K = 128 on an H200 (4 x 8192 tokens, BV in 16..64, 4 or 8 warps, 1 or 2 stages): BV = 64
+    with 4 warps and one stage was fastest for GDN (5.87 ms against 6.64 for 64 / 8 / 2) and
+    KDA (32.6 ms against 35.4 for 32 / 8 / 2). float32 operands (tf32x3 products) and K = 256
+    double the tiles, hence narrower V tiles there.
+    """
+    BV = min(max(triton.next_power_of_2(V), 16), 64)
+    if prec_fast != "bf16" or BK > 128:
+        BV = min(BV, 32)
+        if prec_fast != "bf16" and BK > 128:
+            BV = min(BV, 16)
+        return dict(BV=BV, num_warps=4 if max(BK, BV) <= 64 else 8, num_stages=1)
+    return dict(BV=BV, num_warps=4, num_stages=1)
+
+
+def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
+                       has_initial_state, out, checkpoint_every=None, checkpoint_indices=None):
+    """Chunked prefill of GDN / KDA over a packed varlen batch (``torch_backend.prefill`` semantics).
+
+    q, k:   [T, H, K] bf16 / fp16 / fp32, any strides (raw if ``recipe.qk_l2norm``).
+    v:      [T, HV, V], q's dtype; HV a multiple of H (value head hv reads qk head hv // (HV // H)).
+    g:      [T, HV] (gdn) or [T, HV, K] (kda), float32 / bf16: the log decay, or the raw
+            projection with ``recipe.fused_gate``.
+    beta:   [T, HV], in (0, 1), or logits with ``recipe.beta_logits``.
+    cu_seqlens: int32 [N + 1] on the device.
+    state_pool: [P, HV, V, K] float32 / bfloat16, K-last (pool[s, hv, v, k] = S[k, v]), or None
+            (zero initial states, nothing written).
+    state_indices: int32 [N] slots (negative = padding: no read, no write, zero output), or None
+            (only without a pool: every sequence is live).
+    has_initial_state: bool [N] or None (all True); False starts from zeros and still writes.
+    out:    [T, HV, V] in v's dtype, written in place.
+    checkpoint_every, checkpoint_indices: the state after (j + 1) * checkpoint_every tokens of
+            sequence n goes to slot checkpoint_indices[n, j] (int32 [N, M]) when >= 0;
+            checkpoint_every is a multiple of 64.
+    K, V <= 256. Returns ``out``.
+    """
+    if recipe.mode not in ("gdn", "kda"):
+        raise ValueError(f"delta_rule_prefill: mode {recipe.mode!r} is not a delta rule")
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    N = cu_seqlens.shape[0] - 1
+    C = CHUNK_SIZE
+    if max(K, V) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims K={K}, V={V}: the Triton prefill supports at most {MAX_HEAD_DIM}")
+    if checkpoint_every and checkpoint_every % C:
+        raise ValueError(f"checkpoint_every={checkpoint_every}: must be a multiple of {C}")
+    device = q.device
+    per_channel = recipe.mode == "kda"
+    BK = max(triton.next_power_of_2(K), 16)
+    BV_full = max(triton.next_power_of_2(V), 16)
+    prec = precisions(q.dtype)
+    # float32 inputs: 4 warps for the intra kernel, whose tf32x3 products compile to about 32
+    # registers and 10 KB of spills per thread with 8 (sm_90, Triton 3.6), 3 KB with 4
+    exact = q.dtype == torch.float32
+    A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, device)
+    if not per_channel:
+        g = g[..., None]  # one stride list for both gate shapes (the channel stride is unused)
+    dummy_i32 = torch.empty(1, dtype=torch.int32, device=device)
+    slots = state_indices if state_indices is not None else dummy_i32
+
+    # W feeds only W S and P only P U: bf16 when W S takes bf16 operands. U~ stays float32
+    # (U = U~ - W S is a difference of close terms).
+    ws_dtype = torch.bfloat16 if prec["PREC_FAST"] == "bf16" else torch.float32
+    W_ws = torch.empty(T, HV, K, dtype=ws_dtype, device=device)
+    U_ws = torch.empty(T, HV, V, dtype=torch.float32, device=device)
+    P_ws = torch.empty(T, HV, C, dtype=ws_dtype, device=device)
+    common = dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=BK, C=C, PER_CHANNEL=per_channel,
+                  QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"],
+                  **gate_flags)
+
+    table = chunk_indices(cu_seqlens, T, C)
+    _delta_intra_kernel[(max_chunks(T, N, C), HV)](
+        q, k, v, g, beta, A_log, dt_bias, lower_bound, recipe.scale,
+        cu_seqlens, table, slots, W_ws, U_ws, P_ws,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+        BV=BV_full, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
+        num_warps=8 if BK > 64 and not exact else 4, num_stages=1, **common)
+
+    launch = sequential_config(BK, V, prec["PREC_FAST"])
+    BV = launch["BV"]
+    has_pool = state_pool is not None
+    ckpt = checkpoint_indices if has_pool and checkpoint_every else None
+    _delta_state_kernel[(N, HV, triton.cdiv(V, BV))](
+        q, k, g, A_log, dt_bias, lower_bound, recipe.scale,
+        cu_seqlens, slots, has_initial_state if has_initial_state is not None else dummy_i32,
+        ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0,
+        W_ws, U_ws, P_ws, out, state_pool if has_pool else U_ws,
+        *q.stride(), *k.stride(), *g.stride(), *out.stride(),
+        *(state_pool.stride() if has_pool else (0, 0, 0, 0)), *(ckpt.stride() if ckpt is not None else (0, 0)),
+        HAS_POOL=has_pool, HAS_INIT_FLAGS=has_pool and has_initial_state is not None,
+        HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"], **launch, **common)
+    return out

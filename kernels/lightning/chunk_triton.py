@@ -1,0 +1,160 @@
+"""Chunked prefill of Lightning attention in Triton: one kernel, one pass over the tokens.
+
+The math is ``chunk_torch.py``'s (read its docstring first). With the constant log decay d <= 0
+of a value head, chunk positions t = 0 .. L - 1 (L <= C = 64 valid tokens), q and k optionally
+l2-normalised, and S0 the state entering the chunk:
+
+    O     = scale (exp((t + 1) d) * Q) S0 + (scale Q K^T * exp((t - s) d), masked to s <= t) V
+    S_out = exp(L d) S0 + (exp((L - 1 - s) d) * K)^T V
+
+There is no delta rule, so no triangular solve and nothing to precompute per chunk: one program
+per (sequence, value head, V tile), grid (N, HV, V / BV), walks its chunks with the state tile
+S [K, BV] in float32 registers and does four products per chunk (Q K^T, Q S, (Q K^T) V, K^T V).
+Every input byte is read once per V tile (q and k once per tile, from L2 after the first),
+o is written once, and the state touches memory only at the start, the end and at requested
+checkpoints. Launches per call: one.
+
+All decays are exp of d times a token distance (t - s >= 0, t + 1, L - 1 - s >= 0): exact, never
+above 1, with no cumulative sums to cancel.
+
+Precision follows ``kernels.delta_rule.chunk_triton.precisions`` (whose device helpers and
+launch configuration this module shares): float32 inputs run every product in tf32x3 (float32
+accuracy on the tensor cores). bf16 inputs take Q K^T with the raw bf16 tiles (exact), Q S and
+(Q K^T) V with bf16 operands (their rounding stays below the bf16 output's own) and the state
+update K^T V in tf32 (the state carries its error across chunks). Row factors (l2norm, decays)
+are applied to the [C, C] matrix or to V, so q and k enter the tensor cores as loaded.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.chunking import CHUNK_SIZE
+from ..common.prep import Recipe
+from ..delta_rule.chunk_triton import MAX_HEAD_DIM, _dot, _inv_norm, _load_rows, precisions, sequential_config
+
+
+@triton.jit
+def _lightning_kernel(
+    q, k, v, decay, scale,
+    cu_seqlens, state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
+    out, pool,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_ot, s_oh, s_ov,
+    s_ps, s_ph, s_pv, s_pk, s_cn, s_cj,
+    GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, QK_L2NORM: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_CKPT: tl.constexpr,
+    PREC_IN: tl.constexpr, PREC_FAST: tl.constexpr, PREC_ACC: tl.constexpr,
+):
+    """One (sequence, value head, V tile): S0 from the pool, then per chunk the output and the
+    state update of the module docstring."""
+    n = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // GROUP
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    ko = tl.arange(0, BK)
+    vo = tl.program_id(2) * BV + tl.arange(0, BV)
+    kmask = ko < K
+    vmask = vo < V
+    rows = tl.arange(0, C)
+    out += hv * s_oh + vo[None, :] * s_ov
+    if HAS_SLOTS:
+        slot = tl.load(state_indices + n).to(tl.int64)
+    else:
+        slot = n.to(tl.int64)
+    if slot < 0:
+        # padding: zero output rows, the pool is neither read nor written
+        for t0 in range(bos, eos, C):
+            tok = t0 + rows
+            tl.store(out + tok[:, None] * s_ot, tl.zeros([C, BV], dtype=out.dtype.element_ty),
+                     mask=(tok < eos)[:, None] & vmask[None, :])
+    else:
+        state_mask = kmask[:, None] & vmask[None, :]
+        state_offs = hv * s_ph + vo[None, :] * s_pv + ko[:, None] * s_pk  # S[k, v] = pool[slot, hv, v, k]
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_POOL:
+            read = state_mask
+            if HAS_INIT_FLAGS:
+                read = read & (tl.load(has_initial_state + n) != 0)
+            S = tl.load(pool + slot * s_ps + state_offs, mask=read, other=0.0).to(tl.float32)
+        q += h * s_qh
+        k += h * s_kh
+        v += hv * s_vh
+        d = tl.load(decay + hv).to(tl.float32)
+        t = rows.to(tl.float32)
+        # exp((t - s) d) on s <= t: the in-chunk decay matrix, the same for every chunk
+        causal = rows[:, None] >= rows[None, :]
+        D = tl.exp(tl.where(causal, t[:, None] - t[None, :], 0.0) * d)
+        D = tl.where(causal, D, 0.0)
+        for t0 in range(bos, eos, C):
+            tok = t0 + rows
+            rmask = tok < eos
+            L = tl.minimum(eos - t0, C).to(tl.float32)
+            qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
+            kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
+            vv = tl.load(v + tok[:, None] * s_vt + vo[None, :] * s_vv, mask=rmask[:, None] & vmask[None, :], other=0.0)
+            rq = _inv_norm(qq, QK_L2NORM) * scale
+            rk = _inv_norm(kk, QK_L2NORM)
+            A = _dot(qq, tl.trans(kk), PREC_IN) * (D * rq[:, None] * rk[None, :])
+            o = _dot(qq, S, PREC_FAST) * (rq * tl.exp((t + 1.0) * d))[:, None] + _dot(A, vv, PREC_FAST)
+            tl.store(out + tok[:, None] * s_ot, o.to(out.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
+            # distances clamped at 0: rows past L hold zero k and v, and must not overflow to inf * 0
+            v_dec = vv.to(tl.float32) * (rk * tl.exp(tl.maximum(L - 1.0 - t, 0.0) * d))[:, None]
+            S = S * tl.exp(L * d) + _dot(tl.trans(kk), v_dec, PREC_ACC)
+            if HAS_CKPT:
+                # the state after (j + 1) * checkpoint_every tokens, at full chunk ends only
+                done = t0 + C - bos
+                j = done // checkpoint_every - 1
+                due = (done % checkpoint_every == 0) & (t0 + C <= eos) & (j < num_checkpoints)
+                ck = tl.load(checkpoint_indices + n * s_cn + j * s_cj, mask=due, other=-1).to(tl.int64)
+                tl.store(pool + ck * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask & (ck >= 0))
+        if HAS_POOL:
+            tl.store(pool + slot * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask)
+
+
+def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
+                      has_initial_state, out, checkpoint_every=None, checkpoint_indices=None):
+    """Chunked prefill of Lightning attention over a packed varlen batch
+    (``torch_backend.prefill`` semantics).
+
+    q, k:   [T, H, K] bf16 / fp16 / fp32, any strides (raw if ``recipe.qk_l2norm``).
+    v:      [T, HV, V], q's dtype; HV a multiple of H (value head hv reads qk head hv // (HV // H)).
+    g:      [HV], the per-head log decay d <= 0 (float32 / bf16). beta: None.
+    cu_seqlens, state_pool, state_indices, has_initial_state, out, checkpoint_every,
+    checkpoint_indices: as for ``kernels.delta_rule.chunk_triton.delta_rule_prefill``.
+    K, V <= 256. Returns ``out``.
+    """
+    if recipe.mode != "lightning":
+        raise ValueError(f"lightning_prefill: mode {recipe.mode!r} is not lightning")
+    if beta is not None:
+        raise ValueError("lightning_prefill: beta is not used by lightning")
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    N = cu_seqlens.shape[0] - 1
+    C = CHUNK_SIZE
+    if max(K, V) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims K={K}, V={V}: the Triton prefill supports at most {MAX_HEAD_DIM}")
+    if checkpoint_every and checkpoint_every % C:
+        raise ValueError(f"checkpoint_every={checkpoint_every}: must be a multiple of {C}")
+    device = q.device
+    BK = max(triton.next_power_of_2(K), 16)
+    prec = precisions(q.dtype)
+    launch = sequential_config(BK, V, prec["PREC_FAST"])
+    dummy_i32 = torch.empty(1, dtype=torch.int32, device=device)
+    has_pool = state_pool is not None
+    ckpt = checkpoint_indices if has_pool and checkpoint_every else None
+    _lightning_kernel[(N, HV, triton.cdiv(V, launch["BV"]))](
+        q, k, v, g, recipe.scale,
+        cu_seqlens, state_indices if state_indices is not None else dummy_i32,
+        has_initial_state if has_initial_state is not None else dummy_i32,
+        ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0,
+        out, state_pool if has_pool else out,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *(state_pool.stride() if has_pool else (0, 0, 0, 0)), *(ckpt.stride() if ckpt is not None else (0, 0)),
+        GROUP=HV // H, K=K, V=V, BK=BK, C=C, QK_L2NORM=recipe.qk_l2norm,
+        HAS_SLOTS=state_indices is not None, HAS_POOL=has_pool,
+        HAS_INIT_FLAGS=has_pool and has_initial_state is not None, HAS_CKPT=ckpt is not None,
+        **launch, **prec)
+    return out

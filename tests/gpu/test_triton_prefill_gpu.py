@@ -1,0 +1,242 @@
+"""The triton backend's chunked prefill on a GPU at the model shapes (DESIGN section 1: GDN 16 qk /
+32 value heads, KDA 32 heads, Lightning 64 heads, K = V = 128) against the float64 oracle:
+lengths 1, 63, 64, 65, a few hundred and a thousand in one varlen batch with a padding row,
+permuted NaN-poisoned slots and has_initial_state mixes; a sequence of several thousand tokens;
+many short sequences; both pool dtypes; float32 inputs at 1e-5; checkpoints; every gate recipe;
+strided inputs and pools; and a prefill captured in a CUDA graph (which fails on any host
+synchronisation) replayed with new inputs.
+
+Run with ``pytest -m gpu tests/gpu``. The float64 oracle (the torch backend's recurrence) runs on
+the same GPU, token by token.
+"""
+import os
+
+import pytest
+import torch
+
+from cula_serve import cula_gdn, cula_kda, cula_lightning
+from cula_serve.inputs import MODEL_SHAPES, random_inputs, to_float64
+
+from conftest import ORACLE, assert_close, tolerance
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 would run the kernels in Triton's interpreter; unset it to test the GPU",
+                allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+TRITON = dict(backend="triton")
+SHAPES = {cfg["mode"]: {key: cfg[key] for key in ("H", "HV", "K", "V")} for cfg in MODEL_SHAPES.values()}
+MODES = ["gdn", "kda", "lightning"]
+PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
+DTYPES = [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
+DTYPE_IDS = ["bf16-fp32pool", "bf16-bf16pool", "fp32"]
+# one varlen batch: permuted slots, row 3 is padding, rows 1 and 5 start from zeros (NaN slots)
+LENS = [1, 63, 64, 17, 65, 300, 1000]
+SLOTS = [9, 2, 11, -1, 0, 5, 7]
+HAS_INIT = [True, False, True, True, True, False, True]
+POOL_SIZE = 16
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+def _inputs(mode, T, dtype, seed, **kwargs):
+    return random_inputs(mode, (T,), **SHAPES[mode], dtype=dtype, device=DEVICE,
+                         generator=torch.Generator().manual_seed(seed), **kwargs)
+
+
+def _pool(mode, dtype, live_slots, seed, size=POOL_SIZE):
+    """NaN everywhere but ``live_slots``, which hold random states."""
+    s = SHAPES[mode]
+    pool = torch.full((size, s["HV"], s["V"], s["K"]), float("nan"), dtype=dtype, device=DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    for slot in live_slots:
+        pool[slot] = (0.5 * torch.randn(*pool.shape[1:], generator=g, device=DEVICE)).to(dtype)
+    return pool
+
+
+def _call(mode, kw, **call):
+    kw = dict(kw)
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    if mode == "lightning":
+        return PREFILL[mode](q, k, v, kw.pop("decay"), **kw, **call)
+    return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **call)
+
+
+def _run_both(mode, kw, pool, **call):
+    """(out, ref_out, ref_pool): the triton prefill (into ``pool`` and a NaN-poisoned ``out``)
+    and the float64 oracle on a float64 copy of the pool."""
+    ref_pool = None if pool is None else pool.double()
+    T, HV, V = kw["v"].shape
+    out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype, device=DEVICE)
+    o, _ = _call(mode, kw, state_pool=pool, out=out, **call, **TRITON)
+    ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
+    assert o is out
+    return o, ref_o, ref_pool
+
+
+def _assert_same_writes(pool, ref_pool, tol, what="pool"):
+    """NaN exactly where the oracle's pool has NaN (untouched slots), its values elsewhere."""
+    nan, ref_nan = torch.isnan(pool.float()), torch.isnan(ref_pool)
+    assert torch.equal(nan, ref_nan), f"{what}: written where the oracle did not write, or the reverse"
+    assert_close(pool[~nan], ref_pool[~ref_nan], tol, what)
+
+
+def _varlen_call(lens, slots, has_init):
+    return dict(cu_seqlens=_cu(lens), state_indices=torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                has_initial_state=torch.tensor(has_init, device=DEVICE))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("input_dtype,state_dtype", DTYPES, ids=DTYPE_IDS)
+def test_varlen_model_shapes(mode, input_dtype, state_dtype):
+    kw = _inputs(mode, sum(LENS), input_dtype, seed=1)
+    pool = _pool(mode, state_dtype, [s for s, h in zip(SLOTS, HAS_INIT) if s >= 0 and h], seed=2)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(LENS, SLOTS, HAS_INIT))
+    tol = tolerance(input_dtype, state_dtype)
+    assert_close(o, ref_o, tol)
+    assert (o[sum(LENS[:3]):sum(LENS[:4])] == 0).all()
+    _assert_same_writes(pool, ref_pool, tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("input_dtype,state_dtype", DTYPES, ids=DTYPE_IDS)
+def test_long_sequence(mode, input_dtype, state_dtype):
+    """One sequence of several thousand tokens next to a short one."""
+    lens, slots, has_init = [4133, 5], [3, 1], [True, True]
+    kw = _inputs(mode, sum(lens), input_dtype, seed=3)
+    pool = _pool(mode, state_dtype, slots, seed=4)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, has_init))
+    tol = tolerance(input_dtype, state_dtype)
+    assert_close(o, ref_o, tol)
+    _assert_same_writes(pool, ref_pool, tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_short_sequences(mode):
+    """256 sequences of 0 to 40 tokens, bf16 inputs."""
+    gen = torch.Generator().manual_seed(5)
+    N = 256
+    lens = torch.randint(0, 41, (N,), generator=gen).tolist()
+    slots = torch.randperm(N + 64, generator=gen)[:N]
+    slots[::7] = -1
+    has_init = torch.rand(N, generator=gen) < 0.8
+    kw = _inputs(mode, sum(lens), torch.bfloat16, seed=6)
+    pool = _pool(mode, torch.float32, slots[(slots >= 0) & has_init].tolist(), seed=7, size=N + 64)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots.tolist(), has_init.tolist()))
+    assert_close(o, ref_o, 5e-3)
+    _assert_same_writes(pool, ref_pool, 5e-3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("every", [64, 128])
+def test_checkpoints(mode, every):
+    lens, slots, has_init = [700, 129, 64, 40], [0, 1, -1, 2], [True, False, True, True]
+    M = 11
+    ckpt = torch.arange(3, 3 + 4 * M, dtype=torch.int32).reshape(4, M)
+    ckpt[0, 1] = ckpt[0, 4] = ckpt[1, 0] = -1
+    kw = _inputs(mode, sum(lens), torch.bfloat16, seed=8)
+    pool = _pool(mode, torch.float32, [0, 2], seed=9, size=3 + 4 * M)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, checkpoint_every=every, checkpoint_indices=ckpt.to(DEVICE),
+                                   **_varlen_call(lens, slots, has_init))
+    assert_close(o, ref_o, 5e-3)
+    _assert_same_writes(pool, ref_pool, 5e-3)
+
+
+@pytest.mark.parametrize("mode,gate", [
+    ("gdn", "prepared"), ("gdn", "fused"), ("gdn", "fused_no_bias"),
+    ("kda", "prepared"), ("kda", "fused"), ("kda", "fused_no_bias"), ("kda", "safe"), ("kda", "safe_no_bias"),
+    ("lightning", "l2norm"), ("lightning", "no_l2norm")])
+def test_gate_variants_fp32(mode, gate):
+    lens, slots, has_init = [300, 64, 1], [2, 0, 1], [True, False, True]
+    kw = _inputs(mode, sum(lens), torch.float32, seed=10, fused_gate=gate != "prepared")
+    if gate.endswith("no_bias"):
+        kw["dt_bias"] = None
+    if gate.startswith("safe"):
+        kw["lower_bound"] = -5.0
+    if gate == "l2norm":
+        kw["use_qk_l2norm_in_kernel"] = True
+    pool = _pool(mode, torch.float32, [2, 1], seed=11)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, has_init))
+    assert_close(o, ref_o, 1e-5)
+    _assert_same_writes(pool, ref_pool, 1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_pool(mode):
+    lens = [200, 1, 64]
+    kw = _inputs(mode, sum(lens), torch.bfloat16, seed=12)
+    o, ref_o, _ = _run_both(mode, kw, None, cu_seqlens=_cu(lens))
+    assert_close(o, ref_o, 5e-3)
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+def test_strided_inputs_and_pool(mode):
+    """q, k, v, g, beta sliced from one fused projection; a pool strided in its slot dim."""
+    lens, slots = [333, 20], [4, 1]
+    s = SHAPES[mode]
+    H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
+    T = sum(lens)
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    gate_width = HV * K if mode == "kda" else HV
+    fused = torch.randn(T, 2 * H * K + HV * V + gate_width + HV + 3, generator=gen, device=DEVICE).bfloat16()
+    q = fused[:, :H * K].unflatten(-1, (H, K))
+    k = fused[:, H * K:2 * H * K].unflatten(-1, (H, K))
+    v = fused[:, 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    g = fused[:, 2 * H * K + HV * V:-HV - 3].float()
+    g = g.unflatten(-1, (HV, K)) if mode == "kda" else g
+    beta = fused[:, -HV - 3:-3].float()
+    dt_bias = torch.randn(*((HV, K) if mode == "kda" else (HV,)), generator=gen, device=DEVICE)
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              A_log=torch.rand(HV, generator=gen, device=DEVICE), dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+    base = torch.full((POOL_SIZE, 2, HV, V, K), float("nan"), device=DEVICE)
+    pool = base[:, 0]
+    pool[slots] = torch.randn(len(slots), HV, V, K, generator=gen, device=DEVICE)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, [True, True]))
+    assert_close(o, ref_o, 5e-3)
+    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert torch.isnan(base[:, 1]).all(), "the other half of the strided pool was written"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_prefill(mode):
+    """Captured once (any host synchronisation would fail the capture), replayed with new inputs,
+    lengths and slots of the same token count: equals an eager call."""
+    T, N = 600, 3
+    static = _inputs(mode, T, torch.bfloat16, seed=14)
+    cu = _cu([300, 200, 100])
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    pool = _pool(mode, torch.float32, range(POOL_SIZE), seed=15)
+    out = torch.empty(T, *static["v"].shape[1:], dtype=torch.bfloat16, device=DEVICE)
+
+    def prefill():
+        return _call(mode, static, cu_seqlens=cu, state_pool=pool, state_indices=slots, out=out, **TRITON)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        prefill()  # compiles the kernels
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prefill()
+
+    fresh = _inputs(mode, T, torch.bfloat16, seed=16)
+    for key, val in fresh.items():
+        if isinstance(val, torch.Tensor):
+            static[key].copy_(val)
+    cu.copy_(_cu([1, 598, 1]))
+    slots.copy_(torch.tensor([7, -1, 3], dtype=torch.int32))
+    eager_pool = pool.clone()
+    graph.replay()
+    eager_out = torch.empty_like(out)
+    _call(mode, static, cu_seqlens=cu, state_pool=eager_pool, state_indices=slots, out=eager_out, **TRITON)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out)
+    assert torch.equal(pool.nan_to_num(), eager_pool.nan_to_num())
+    assert (out[1:599] == 0).all()

@@ -1,0 +1,336 @@
+"""The triton backend's chunked prefill (GDN, KDA, Lightning) under Triton's interpreter, against
+the float64 oracle: lengths 0, 1, 63, 64, 65 and a few hundred in one varlen batch, many short
+sequences, GVA and MHA heads, several V tiles, permuted and padded (NaN-poisoned) slots,
+has_initial_state mixes, both pool dtypes, fp16 / bf16 / fp32 inputs, checkpoints, every fused
+gate, strided inputs and pools, no pool at all, and gates strong enough to overflow a naive
+exp(-G). Shapes are small: the interpreter runs each program in Python."""
+import os
+
+import pytest
+import torch
+
+# The interpreter is chosen when the kernels are defined, so this must come before triton and the
+# kernel modules are imported. Only without a GPU: on a GPU machine the same pytest process may
+# run tests/gpu, whose kernels must be compiled, not interpreted (there this module skips).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+import numpy as np  # noqa: E402
+
+from cula_serve import cula_gdn, cula_kda, cula_lightning  # noqa: E402
+from cula_serve.kernels.backends import triton_backend  # noqa: E402
+from cula_serve.kernels.common.varlen import chunk_indices  # noqa: E402
+
+from conftest import ORACLE, assert_close, random_inputs, to_float64, tolerance  # noqa: E402
+
+if triton_backend.availability(torch.device("cpu")):
+    pytest.skip("the triton backend needs TRITON_INTERPRET=1 on the CPU (set before triton was imported)",
+                allow_module_level=True)
+
+TRITON = dict(backend="triton")
+MODES = ["gdn", "kda", "lightning"]
+PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
+GVA = dict(H=2, HV=4, K=32, V=32)
+MHA = dict(H=2, HV=2, K=32, V=128)  # two V tiles of 64 in the state pass
+# one varlen batch: 65, 1, (padding), 63, 64, 200 tokens; permuted slots, row 2 is padding
+LENS = [65, 1, 7, 63, 64, 200]
+SLOTS = [5, 0, -1, 7, 2, 3]
+HAS_INIT = [True, False, True, True, False, True]
+POOL_SIZE = 10
+
+
+# ------------------------------------------------------------------------------------------------
+# the interpreter, made to compute what the GPU computes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_faithful_interpreter():
+    """Patches Triton 3.6's interpreter for this module, restoring it afterwards:
+
+    - ``range`` over a runtime bound indexes a 1-element array, which numpy >= 2.4 refuses
+      (triton-lang/triton#9171): index its single element instead.
+    - ``tl.dot`` of bf16 tiles multiplies their raw uint16 bit patterns: decode them first.
+    - float32 -> bf16 casts truncate: round to nearest even, as the GPU's cvt.rn does.
+    - tf32 products are exact float32 products: drop the 13 low mantissa bits of each operand
+      first, as the tensor cores do (truncation: the pessimistic reading).
+    - every call of a @triton.jit helper re-patches triton.language (~2 ms of inspect each):
+      patch once per module per launch.
+    Without the first four, the bf16 paths would fail (or pass) for the wrong reasons.
+    """
+    interp = triton.runtime.interpreter
+    tl = triton.language
+    saved = dict(patch_tensor=interp._patch_lang_tensor, dot=interp.InterpreterBuilder.create_dot,
+                 cast=interp.InterpreterBuilder.cast_impl, launch=interp.GridExecutor.__call__,
+                 device_call=interp.InterpretedFunction.__call__)
+
+    def patch_tensor(tensor, scope):
+        saved["patch_tensor"](tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    def bf16_to_f32(bits):
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def f32_to_bf16(x):
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+
+    def tf32(x):
+        return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a = interp.TensorHandle(bf16_to_f32(a.data), tl.float32)
+            b = interp.TensorHandle(bf16_to_f32(b.data), tl.float32)
+        elif a.dtype.scalar == tl.float32 and input_precision == interp._ir.INPUT_PRECISION.TF32:
+            a = interp.TensorHandle(tf32(a.data), tl.float32)
+            b = interp.TensorHandle(tf32(b.data), tl.float32)
+        return saved["dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interp.TensorHandle(f32_to_bf16(src.data), tl.bfloat16)
+        return saved["cast"](self, src, dst_type)
+
+    patched = set()
+
+    def launch(self, *args, **kwargs):
+        patched.clear()
+        return saved["launch"](self, *args, **kwargs)
+
+    def device_call(self, *args, **kwargs):
+        if id(self.fn.__globals__) not in patched:
+            interp._patch_lang(self.fn)
+            patched.add(id(self.fn.__globals__))
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            raise interp.InterpreterError(repr(err)) from err
+
+    interp._patch_lang_tensor = patch_tensor
+    interp.InterpreterBuilder.create_dot = create_dot
+    interp.InterpreterBuilder.cast_impl = cast_impl
+    interp.GridExecutor.__call__ = launch
+    interp.InterpretedFunction.__call__ = device_call
+    yield
+    interp._patch_lang_tensor = saved["patch_tensor"]
+    interp.InterpreterBuilder.create_dot = saved["dot"]
+    interp.InterpreterBuilder.cast_impl = saved["cast"]
+    interp.GridExecutor.__call__ = saved["launch"]
+    interp.InterpretedFunction.__call__ = saved["device_call"]
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _call(mode, kw, **call):
+    """cula_{mode}(...) with random_inputs' dict ``kw`` plus the pool-side keywords ``call``."""
+    kw = dict(kw)
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    if mode == "lightning":
+        return PREFILL[mode](q, k, v, kw.pop("decay"), **kw, **call)
+    return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **call)
+
+
+def _run_both(mode, kw, pool, **call):
+    """(out, ref_out, ref_pool): the triton prefill into ``pool`` (and a NaN-poisoned ``out``)
+    and the float64 oracle on a float64 copy of the pool."""
+    ref_pool = None if pool is None else pool.double()
+    T, HV, V = kw["v"].shape
+    out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype)
+    o, _ = _call(mode, kw, state_pool=pool, out=out, **call, **TRITON)
+    ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
+    assert o is out
+    return o, ref_o, ref_pool
+
+
+def _assert_same_writes(pool, ref_pool, tol, what="pool"):
+    """The pool holds NaN exactly where the oracle's does (slots neither may touch) and the
+    oracle's values elsewhere."""
+    nan, ref_nan = torch.isnan(pool.float()), torch.isnan(ref_pool)
+    assert torch.equal(nan, ref_nan), f"{what}: written where the oracle did not write, or the reverse"
+    assert_close(pool[~nan], ref_pool[~ref_nan], tol, what)
+
+
+def _pool(shape, dtype, live_slots, generator, size=POOL_SIZE):
+    """NaN everywhere but ``live_slots``, which hold random states."""
+    pool = torch.full((size, shape["HV"], shape["V"], shape["K"]), float("nan"), dtype=dtype)
+    for slot in live_slots:
+        pool[slot] = (0.5 * torch.randn(shape["HV"], shape["V"], shape["K"], generator=generator)).to(dtype)
+    return pool
+
+
+def _varlen_case(generator, shape=GVA, lens=LENS, slots=SLOTS, has_init=HAS_INIT, state_dtype=torch.float32):
+    """(pool, call keywords): slots whose sequence starts from zeros hold NaN, so that reading
+    them would show."""
+    live = [s for s, h in zip(slots, has_init) if s >= 0 and h]
+    pool = _pool(shape, state_dtype, live, generator)
+    call = dict(cu_seqlens=_cu(lens), state_indices=torch.tensor(slots, dtype=torch.int32),
+                has_initial_state=torch.tensor(has_init))
+    return pool, call
+
+
+# ------------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("input_dtype,state_dtype", [
+    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)],
+    ids=["bf16-fp32pool", "bf16-bf16pool", "fp32"])
+def test_varlen_batch_matches_oracle(mode, input_dtype, state_dtype, generator):
+    """Lengths 65, 1, 63, 64, 200 and a padding row in one packed batch; GVA heads; permuted
+    slots; sequences without an initial state start from NaN slots; unused slots stay NaN."""
+    kw = random_inputs(mode, (sum(LENS),), **GVA, dtype=input_dtype, generator=generator)
+    pool, call = _varlen_case(generator, state_dtype=state_dtype)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
+    tol = tolerance(input_dtype, state_dtype)
+    assert_close(o, ref_o, tol)
+    pad = slice(sum(LENS[:2]), sum(LENS[:3]))
+    assert (o[pad] == 0).all()
+    _assert_same_writes(pool, ref_pool, tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v_tiles_mha_fp16(mode, generator):
+    """V = 128 (two V tiles in the state pass) with one value head per qk head, fp16 inputs."""
+    lens, slots, has_init = [70, 64], [1, 0], [True, True]
+    kw = random_inputs(mode, (sum(lens),), **MHA, dtype=torch.float16, generator=generator)
+    pool, call = _varlen_case(generator, MHA, lens, slots, has_init)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
+    assert_close(o, ref_o, 5e-3)
+    _assert_same_writes(pool, ref_pool, 5e-3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_short_sequences(mode, generator):
+    """24 sequences of 0 to 9 tokens (empty ones included: their slot gets the initial state, or
+    zeros), float32 end to end."""
+    lens = torch.randint(0, 10, (24,), generator=generator).tolist()
+    lens[3] = 0
+    slots = torch.randperm(POOL_SIZE * 3, generator=generator)[:24].tolist()
+    has_init = (torch.rand(24, generator=generator) < 0.7).tolist()
+    shape = dict(H=2, HV=2, K=32, V=32)
+    kw = random_inputs(mode, (sum(lens),), **shape, dtype=torch.float32, generator=generator)
+    live = [s for s, h in zip(slots, has_init) if h]
+    pool = _pool(shape, torch.float32, live, generator, size=POOL_SIZE * 3)
+    call = dict(cu_seqlens=_cu(lens), state_indices=torch.tensor(slots, dtype=torch.int32),
+                has_initial_state=torch.tensor(has_init))
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
+    assert_close(o, ref_o, 1e-5)
+    _assert_same_writes(pool, ref_pool, 1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("every", [64, 128])
+def test_checkpoints(mode, every, generator):
+    """The state after each multiple of ``every`` tokens goes to its checkpoint slot; -1 entries,
+    entries past the sequence's end and the padding row's entries write nothing."""
+    lens, slots, has_init = [200, 129, 64, 40], [0, 1, -1, 2], [True, False, True, True]
+    shape = dict(H=1, HV=2, K=32, V=32)
+    ckpt = torch.tensor([[3, -1, 4, 9], [5, 6, 11, 12], [13, 14, 15, 16], [7, 8, -1, -1]], dtype=torch.int32)
+    kw = random_inputs(mode, (sum(lens),), **shape, dtype=torch.float32, generator=generator)
+    pool, call = _varlen_case(generator, shape, lens, slots, has_init)
+    pool = torch.cat([pool, torch.full((7, *pool.shape[1:]), float("nan"))])  # room for slots 10..16
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, checkpoint_every=every, checkpoint_indices=ckpt, **call)
+    assert_close(o, ref_o, 1e-5)
+    _assert_same_writes(pool, ref_pool, 1e-5)
+    written = {3, 4, 5, 6} if every == 64 else {3, 5}
+    assert all(not torch.isnan(pool[s]).any() for s in written)
+
+
+@pytest.mark.parametrize("mode,gate", [
+    ("gdn", "prepared"), ("gdn", "fused_no_bias"), ("kda", "prepared"), ("kda", "fused_no_bias"),
+    ("kda", "safe"), ("kda", "safe_no_bias"), ("lightning", "l2norm")])
+def test_gate_variants(mode, gate, generator):
+    """Every gate recipe (the fused gate with dt_bias runs in the tests above), float32 end to end."""
+    lens, slots, has_init = [70, 33], [1, 0], [True, False]
+    shape = dict(H=1, HV=2, K=32, V=32)
+    kw = random_inputs(mode, (sum(lens),), **shape, dtype=torch.float32, fused_gate=gate != "prepared",
+                       generator=generator)
+    if gate.endswith("no_bias"):
+        kw["dt_bias"] = None
+    if gate.startswith("safe"):
+        kw["lower_bound"] = -5.0
+    if gate == "l2norm":
+        kw["use_qk_l2norm_in_kernel"] = True
+    pool, call = _varlen_case(generator, shape, lens, slots, has_init)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
+    assert_close(o, ref_o, 1e-5)
+    _assert_same_writes(pool, ref_pool, 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+def test_strong_decays_stay_finite_and_exact(mode, generator):
+    """Gates near -100 per token: a chunk's cumulative gate reaches the thousands, so exp(-G)
+    would overflow float32 many times over; mixed with tokens of almost no decay, so float32
+    differences of cumulative sums would lose the small ones. Float32 stays within 1e-5."""
+    lens, slots = [130, 64], [0, 1]
+    shape = dict(H=1, HV=2, K=32, V=32)
+    kw = random_inputs(mode, (sum(lens),), **shape, dtype=torch.float32, generator=generator)
+    kw["A_log"] = torch.tensor([4.0, 1.0])  # A = e^4 ~ 55: g = -55 softplus(.) reaches -100s
+    pool, call = _varlen_case(generator, shape, lens, slots, [True, True])
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
+    assert torch.isfinite(o).all()
+    assert_close(o, ref_o, 1e-5)
+    _assert_same_writes(pool, ref_pool, 1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_pool(mode, generator):
+    """No state pool: every sequence starts from zeros and nothing is written."""
+    lens = [65, 3]
+    kw = random_inputs(mode, (sum(lens),), **GVA, dtype=torch.float32, generator=generator)
+    o, ref_o, _ = _run_both(mode, kw, None, cu_seqlens=_cu(lens))
+    assert_close(o, ref_o, 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+def test_strided_inputs_pool_and_out(mode, generator):
+    """q, k, v, g, beta sliced from one fused projection (k with strided head vectors), a pool
+    strided in its slot dim (the [:, 0] half of paged storage), ``out`` with a strided last dim."""
+    lens, H, HV, K, V = [70, 20], 2, 4, 32, 32
+    T = sum(lens)
+    gate_width = HV * K if mode == "kda" else HV
+    fused = torch.randn(T, 2 * H * K + HV * V + gate_width + HV + 3, generator=generator).bfloat16()
+    q = fused[:, :H * K].unflatten(-1, (H, K))
+    k = fused[:, H * K:2 * H * K].unflatten(-1, (K, H)).transpose(-1, -2)
+    v = fused[:, 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    g = fused[:, 2 * H * K + HV * V:-HV - 3].float()
+    g = g.unflatten(-1, (HV, K)) if mode == "kda" else g
+    beta = fused[:, -HV - 3:-3].float()
+    dt_bias = torch.randn(HV, K, generator=generator) if mode == "kda" else torch.randn(HV, generator=generator)
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              A_log=torch.rand(HV, generator=generator), dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+    base = torch.full((POOL_SIZE, 2, HV, V, K), float("nan"))
+    pool = base[:, 0]
+    pool[4] = torch.randn(HV, V, K, generator=generator)
+    pool[1] = torch.randn(HV, V, K, generator=generator)
+    out = torch.full((T, HV, V, 2), float("nan"), dtype=torch.bfloat16)[..., 0]
+    assert not q.is_contiguous() and k.stride(-1) != 1 and out.stride(-1) != 1
+    call = dict(cu_seqlens=_cu(lens), state_indices=torch.tensor([4, 1], dtype=torch.int32))
+    ref_pool = pool.double()
+    o, _ = _call(mode, kw, state_pool=pool, out=out, **call, **TRITON)
+    ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
+    assert o is out
+    assert_close(o, ref_o, 5e-3)
+    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert torch.isnan(base[:, 1]).all(), "the other half of the strided pool was written"
+
+
+def test_chunk_indices(generator):
+    """The device-side chunk table: every chunk of every sequence once, in packed order, then -1."""
+    lens = torch.randint(0, 200, (150,), generator=generator).tolist()
+    lens[:4] = [0, 64, 65, 1]
+    table = chunk_indices(_cu(lens), sum(lens), 64)
+    expected = [[n, c] for n, length in enumerate(lens) for c in range(-(-length // 64))]
+    assert table.shape == (sum(lens) // 64 + len(lens), 2)
+    assert table[:len(expected)].tolist() == expected
+    assert (table[len(expected):] == -1).all()
