@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cula_serve import StatePool, cula_gdn, cula_kda, cula_lightning
+from cula_serve import cula_gdn, cula_kda, cula_lightning
 
 from conftest import (ORACLE, SMALL, SMALL_MHA, assert_close, assert_untouched, oracle_pool, poisoned_pool,
                       random_inputs, to_float64, tolerance)

@@ -207,7 +207,7 @@ def test_strided_inputs_and_pool(mode):
 def test_cuda_graph_prefill(mode):
     """Captured once (any host synchronisation would fail the capture), replayed with new inputs,
     lengths and slots of the same token count: equals an eager call."""
-    T, N = 600, 3
+    T = 600
     static = _inputs(mode, T, torch.bfloat16, seed=14)
     cu = _cu([300, 200, 100])
     slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
