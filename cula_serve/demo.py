@@ -19,6 +19,10 @@ ORACLE = dict(backend="torch", algorithm="recurrent", compute_dtype=torch.float6
 TOLERANCE = 5e-3  # bf16 inputs, fp32 state (DESIGN section 7)
 
 
+def _on_cpu_float64(kwargs):
+    return to_float64({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+
 def _serving_steps(mode, pool, slots, steps, backend_kwargs):
     """Run the recorded calls against ``pool``; return the outputs and each step's seconds."""
     outputs, seconds = [], []
@@ -51,8 +55,7 @@ def run_demo(device: torch.device, modes, backend=None) -> int:
           f"then a 4-token verify + commit; bf16 inputs, float32 pool, oracle = float64 recurrence")
     print(f"{'mode':10s} {'step':14s} {'ms':>9s} {'rel err':>10s}")
     for mode in modes:
-        shape = {k: v for k, v in MODEL_SHAPES[[m for m, s in MODEL_SHAPES.items() if s['mode'] == mode][0]].items()
-                 if k != "mode"}
+        shape = next(dict(H=s["H"], HV=s["HV"], K=s["K"], V=s["V"]) for s in MODEL_SHAPES.values() if s["mode"] == mode)
         prefill_kw = random_inputs(mode, (1, sum(seqlens)), **shape, device=device, generator=generator)
         prefill_kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()],
                                                 dtype=torch.int32, device=device)
@@ -68,10 +71,8 @@ def run_demo(device: torch.device, modes, backend=None) -> int:
         outputs, seconds = _serving_steps(mode, pool.layer(0), slots,
                                           steps, {} if backend is None else {"backend": backend})
         oracle_pool = torch.zeros_like(pool.layer(0), dtype=torch.float64, device="cpu")
-        oracle_steps = [(kind, to_float64({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
-                         if kind != "verify" else
-                         dict(inputs=to_float64({k: v.cpu() if isinstance(v, torch.Tensor) else v
-                                                 for k, v in kw["inputs"].items()}), accepted=kw["accepted"].cpu()))
+        oracle_steps = [(kind, _on_cpu_float64(kw) if kind != "verify" else
+                         dict(inputs=_on_cpu_float64(kw["inputs"]), accepted=kw["accepted"].cpu()))
                         for kind, kw in steps]
         ref_outputs, _ = _serving_steps(mode, oracle_pool, slots.cpu(), oracle_steps, ORACLE)
         names = ["prefill"] + [f"decode {i}" for i in range(1, 4)] + ["verify+commit"]
