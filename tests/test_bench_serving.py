@@ -19,3 +19,10 @@ def test_kernels_table_on_cpu(tmp_path):
     assert ("prefill", "cula-torch", "ok") in ops and ("decode", "cula-torch", "ok") in ops
     assert all(r["rel_err"] <= 5e-3 for r in report["rows"])
     assert report["environment"]["torch"]
+
+
+def test_decode_latency_says_it_needs_a_gpu():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "bench_serving", "decode-latency"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "needs a GPU" in out.stdout
