@@ -11,7 +11,7 @@ import time
 import torch
 
 from .api import cula_commit, cula_decode, cula_gdn, cula_kda, cula_lightning, cula_verify
-from .inputs import MODEL_SHAPES, random_inputs, relative_error, to_float64
+from .inputs import MODE_SHAPES, random_inputs, relative_error, to_float64
 from .pool import StatePool
 
 PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
@@ -55,7 +55,7 @@ def run_demo(device: torch.device, modes, backend=None) -> int:
           f"then a 4-token verify + commit; bf16 inputs, float32 pool, oracle = float64 recurrence")
     print(f"{'mode':10s} {'step':14s} {'ms':>9s} {'rel err':>10s}")
     for mode in modes:
-        shape = next(dict(H=s["H"], HV=s["HV"], K=s["K"], V=s["V"]) for s in MODEL_SHAPES.values() if s["mode"] == mode)
+        shape = MODE_SHAPES[mode]
         prefill_kw = random_inputs(mode, (1, sum(seqlens)), **shape, device=device, generator=generator)
         prefill_kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()],
                                                 dtype=torch.int32, device=device)

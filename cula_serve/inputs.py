@@ -10,6 +10,8 @@ MODEL_SHAPES = {
     "kimi-linear": dict(mode="kda", H=32, HV=32, K=128, V=128),
     "minimax": dict(mode="lightning", H=64, HV=64, K=128, V=128),
 }
+# The same shapes keyed by family: {"gdn": dict(H=16, HV=32, K=128, V=128), ...}
+MODE_SHAPES = {s["mode"]: {key: s[key] for key in ("H", "HV", "K", "V")} for s in MODEL_SHAPES.values()}
 
 
 def minimax_decay(num_heads: int) -> torch.Tensor:

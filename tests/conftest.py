@@ -58,6 +58,16 @@ def generator(request):
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
+def skip_module_unless_gpu():
+    """Called at the top of a tests/gpu module: skip it all without a CUDA GPU, or when
+    TRITON_INTERPRET=1 would run its kernels in Triton's interpreter instead of on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU", allow_module_level=True)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 would run the kernels in Triton's interpreter; unset it to test the GPU",
+                    allow_module_level=True)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

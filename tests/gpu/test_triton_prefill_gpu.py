@@ -9,27 +9,22 @@ synchronisation) replayed with new inputs.
 Run with ``pytest -m gpu tests/gpu``. The float64 oracle (the torch backend's recurrence) runs on
 the same GPU, token by token.
 """
-import os
 
 import pytest
 import torch
 
 from cula_serve import cula_gdn, cula_kda, cula_lightning
-from cula_serve.inputs import MODEL_SHAPES, random_inputs, to_float64
+from cula_serve.inputs import MODE_SHAPES, random_inputs, to_float64
 
-from conftest import ORACLE, assert_close, tolerance
+from conftest import ORACLE, assert_close, skip_module_unless_gpu, tolerance
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 would run the kernels in Triton's interpreter; unset it to test the GPU",
-                allow_module_level=True)
+skip_module_unless_gpu()
 
 DEVICE = torch.device("cuda")
 TRITON = dict(backend="triton")
-SHAPES = {cfg["mode"]: {key: cfg[key] for key in ("H", "HV", "K", "V")} for cfg in MODEL_SHAPES.values()}
+SHAPES = MODE_SHAPES
 MODES = ["gdn", "kda", "lightning"]
 PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
 DTYPES = [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]

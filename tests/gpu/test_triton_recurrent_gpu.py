@@ -6,28 +6,23 @@ replayed with new inputs, indices and accepted counts, and compared with eager c
 Run with ``pytest -m gpu tests/gpu``. The float64 oracle (the torch backend's recurrence) runs on
 the same GPU: the math is the same as on the CPU and the model shapes are large for it there.
 """
-import os
 
 import pytest
 import torch
 
 from cula_serve import cula_commit, cula_decode, cula_verify
-from cula_serve.inputs import MODEL_SHAPES, random_inputs, relative_error, to_float64
+from cula_serve.inputs import MODE_SHAPES, random_inputs, relative_error, to_float64
 
-from conftest import ORACLE, assert_close, tolerance
+from conftest import ORACLE, assert_close, skip_module_unless_gpu, tolerance
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 would run the kernels in Triton's interpreter; unset it to test the GPU",
-                allow_module_level=True)
+skip_module_unless_gpu()
 
 DEVICE = torch.device("cuda")
 TRITON = dict(backend="triton")
 ORACLE_COMMIT = dict(algorithm="recurrent", compute_dtype=torch.float64)
-SHAPES = {cfg["mode"]: {key: cfg[key] for key in ("H", "HV", "K", "V")} for cfg in MODEL_SHAPES.values()}
+SHAPES = MODE_SHAPES
 MODES = ["gdn", "kda", "lightning"]
 BATCHES = [1, 8, 64]
 T = 4
