@@ -189,7 +189,11 @@ def _prefill(mode, q, k, v, g, beta, decay, *, scale, cu_seqlens, state_pool, st
     check_tensor("q", q, dtypes=FLOAT_DTYPES)
     if q.dim() not in (3, 4):
         raise ValueError(f"q: expected [B, T, H, K] or packed [T, H, K], got shape {list(q.shape)}")
-    lead, H, HV, K, V = _check_qkv(q, k, v, q.dim() - 2)
+    lead, H, HV, K, V_values = _check_qkv(q, k, v, q.dim() - 2)
+    map_columns = kwargs.pop("map_columns", 0)
+    if map_columns not in (0, K):
+        raise ValueError(f"map_columns: expected 0 or K={K}, got {map_columns!r}")
+    V = V_values + map_columns  # state and output columns
     device = q.device
     recipe, g, beta = _recipe(mode, lead, HV, K, device=device, g=g, beta=beta, decay=decay, scale=scale,
                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -255,6 +259,10 @@ def _prefill(mode, q, k, v, g, beta, decay, *, scale, cu_seqlens, state_pool, st
         g_packed = g
     else:
         g_packed = packed(g)
+    if map_columns and not module.native_map_columns(recipe):
+        v = torch.cat([v, v.new_zeros(*v.shape[:-1], map_columns)], dim=-1)  # zero values, same math
+    elif map_columns:
+        kwargs["map_columns"] = map_columns
     pool, slots = state_pool, _int32(state_indices)
     if initial_state is not None or output_final_state:
         # dense states (FLA-style callers): run on a private pool, one slot per sequence
@@ -292,6 +300,9 @@ _PREFILL_DOC = """
             checkpoint_every is a positive multiple of 64, checkpoint_indices int [N, M].
         backend: "cute" | "triton" | "torch"; None picks the best available (``CULA_BACKEND`` overrides).
         **kwargs: forwarded to the backend (the torch backend takes ``algorithm`` and ``compute_dtype``).
+            ``map_columns=K`` (context parallelism, see ``cula_serve.dist.cp``): the state, the
+            pool / initial_state and ``out`` get K more columns than v, whose values are zero;
+            started from the identity they carry the affine map of the segment.
 
     Returns:
         (o, final): o [..., T, HV, V] in v's dtype. final is ``state_pool`` when a pool is given;

@@ -27,10 +27,13 @@ def random_inputs(mode: str, lead: tuple, *, H: int, HV: int, K: int, V: int, dt
     Delta rule (gdn, kda): raw q, k with ``use_qk_l2norm_in_kernel``; with ``fused_gate`` the raw
     gate projection plus A_log / dt_bias and beta as logits (what engines pass), otherwise a
     prepared log decay in about [-1, 0) and beta in (0, 1). Lightning: MiniMax's decay.
-    Tensors are drawn on the CPU from ``generator`` (reproducible) and then moved to ``device``.
+    Tensors are drawn from ``generator`` (reproducible) on its device (the CPU without one; a CUDA
+    generator draws long inputs quickly) and then moved to ``device``.
     """
+    draw_on = generator.device if generator is not None else "cpu"
+
     def rand(*shape, dt=torch.float32):
-        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dt).to(device)
+        return torch.randn(*shape, generator=generator, dtype=torch.float32, device=draw_on).to(dt).to(device)
 
     kw = dict(q=rand(*lead, H, K, dt=dtype), k=rand(*lead, H, K, dt=dtype), v=rand(*lead, HV, V, dt=dtype))
     if mode == "lightning":
@@ -41,7 +44,7 @@ def random_inputs(mode: str, lead: tuple, *, H: int, HV: int, K: int, V: int, dt
     if fused_gate:
         kw.update(g=rand(*gate_shape), beta=rand(*lead, HV), use_gate_in_kernel=True,
                   use_beta_sigmoid_in_kernel=True,
-                  A_log=torch.empty(HV).uniform_(0, 2.5, generator=generator).to(device),
+                  A_log=torch.empty(HV, device=draw_on).uniform_(0, 2.5, generator=generator).to(device),
                   dt_bias=rand(HV) if mode == "gdn" else rand(HV, K))
     else:
         kw.update(g=torch.nn.functional.logsigmoid(rand(*gate_shape) + 3.0),

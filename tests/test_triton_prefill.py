@@ -334,3 +334,32 @@ def test_chunk_indices(generator):
     assert table.shape == (sum(lens) // 64 + len(lens), 2)
     assert table[:len(expected)].tolist() == expected
     assert (table[len(expected):] == -1).all()
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+def test_map_columns_carry_the_segment_map(mode, generator):
+    """map_columns=K (context parallelism): started from [S0 | I] the state's last K columns end
+    as the segment's map A^T and their outputs are q~; check both against the oracle run on v
+    padded with zero columns, and that applying them to S0 reproduces the plain prefill."""
+    shape = dict(H=2, HV=4, K=32, V=32)
+    K, V, HV = shape["K"], shape["V"], shape["HV"]
+    kw = random_inputs(mode, (1, 130), **shape, dtype=torch.float32, fused_gate=False, generator=generator)
+    cu = torch.tensor([0, 130], dtype=torch.int32)
+    widened = torch.zeros(1, HV, V + K, K)
+    widened[0, :, :V] = 0.3 * torch.randn(HV, V, K, generator=generator)
+    widened[0, :, V:] = torch.eye(K)
+    o, final = PREFILL[mode](**kw, cu_seqlens=cu, initial_state=widened, output_final_state=True, map_columns=K,
+                             **TRITON)
+    padded = dict(to_float64(kw), v=torch.cat([kw["v"], torch.zeros(1, 130, HV, K)], -1).double())
+    ref_o, ref_final = PREFILL[mode](**padded, cu_seqlens=cu, initial_state=widened.double(), output_final_state=True,
+                                     **ORACLE)
+    assert_close(o, ref_o, 1e-5)
+    assert_close(final, ref_final, 1e-5, "final state and map")
+    # the affine map: from a zero start plus the map applied to S0, as one plain prefill from S0
+    zero_o, zero_final = PREFILL[mode](**kw, cu_seqlens=cu, initial_state=torch.zeros(1, HV, V, K),
+                                       output_final_state=True, **TRITON)
+    S0 = widened[:, :, :V].double()
+    composed_o = zero_o.double() + torch.einsum("bthk,bhvk->bthv", o[..., V:].double(), S0)
+    composed_final = zero_final.double() + S0 @ final[:, :, V:].double()
+    assert_close(composed_o, ref_o[..., :V], 1e-5)
+    assert_close(composed_final, ref_final[:, :, :V], 1e-5, "composed final state")

@@ -318,8 +318,9 @@ def test_prefill_dispatches_to_the_chunk_kernels(mode, monkeypatch):
     prefill(**kw, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor([1, 0]), **TRITON)
     (args, kwargs), = calls
     assert args[0].mode == mode and args[1].shape == (5, 2, 32) and args[3].shape == (5, 4, 32)
-    assert sorted(kwargs) == ["checkpoint_every", "checkpoint_indices", "cu_seqlens", "has_initial_state", "out",
-                              "state_indices", "state_pool"]
+    expected = ["checkpoint_every", "checkpoint_indices", "cu_seqlens", "has_initial_state", "out", "state_indices",
+                "state_pool"]
+    assert sorted(kwargs) == sorted(expected + (["map_columns"] if mode == "gdn" else []))
     assert kwargs["state_pool"] is pool and kwargs["state_indices"].dtype == torch.int32
     with pytest.raises(TypeError, match="unexpected keyword"):
         prefill(**kw, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor([1, 0]), chunk_size=64, **TRITON)

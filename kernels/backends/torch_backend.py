@@ -78,6 +78,11 @@ def _write_states(pool, slots, states, live=None):
     pool[slots[live].long()] = states[live].transpose(-1, -2).to(pool.dtype)
 
 
+def native_map_columns(recipe) -> bool:
+    """The reference takes no ``map_columns``: the API widens v with zero columns instead."""
+    return False
+
+
 def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state,
             out, checkpoint_every=None, checkpoint_indices=None, **kwargs):
     """Chunked prefill of a packed varlen batch.

@@ -66,17 +66,27 @@ def _recurrent(recipe, q, k, v, g, beta, **pool_args):
     return lightning_recurrent(recipe, q, k, v, g, **pool_args)
 
 
+def native_map_columns(recipe) -> bool:
+    """Whether ``prefill`` takes ``map_columns`` itself (the delta rule's state kernel gives the
+    map columns zero values without widening v or the intra-chunk workspace)."""
+    return recipe.delta_rule
+
+
 def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state,
-            out, checkpoint_every=None, checkpoint_indices=None, **kwargs):
-    """Chunked prefill of a packed varlen batch; arguments as for the torch backend's ``prefill``."""
+            out, checkpoint_every=None, checkpoint_indices=None, map_columns=0, **kwargs):
+    """Chunked prefill of a packed varlen batch; arguments as for the torch backend's ``prefill``,
+    plus ``map_columns`` for the delta rule (see ``delta_rule_prefill``)."""
     _no_options("prefill", kwargs)
     if recipe.delta_rule:
-        from ..delta_rule.chunk_triton import delta_rule_prefill as run
-    else:
-        from ..lightning.chunk_triton import lightning_prefill as run
-    return run(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool,
-               state_indices=state_indices, has_initial_state=has_initial_state, out=out,
-               checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices)
+        from ..delta_rule.chunk_triton import delta_rule_prefill
+        return delta_rule_prefill(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool,
+                                  state_indices=state_indices, has_initial_state=has_initial_state, out=out,
+                                  checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
+                                  map_columns=map_columns)
+    from ..lightning.chunk_triton import lightning_prefill
+    return lightning_prefill(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool,
+                             state_indices=state_indices, has_initial_state=has_initial_state, out=out,
+                             checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices)
 
 
 def decode(recipe, q, k, v, g, beta, *, state_pool, state_indices, out, **kwargs):

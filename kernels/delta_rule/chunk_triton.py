@@ -429,7 +429,7 @@ def _delta_state_kernel(
     W_ws, U_ws, P_ws, out, pool,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk,
     s_ot, s_oh, s_ov, s_ps, s_ph, s_pv, s_pk, s_cn, s_cj,
-    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_VALUES: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
@@ -437,7 +437,8 @@ def _delta_state_kernel(
     PREC_FAST: tl.constexpr, PREC_ACC: tl.constexpr,
 ):
     """One (sequence, value head, V tile): S0 from the pool, then per chunk
-    U = U~ - W S, O = scale (exp(G) Q) S + P U, S = exp(G_C) S + (exp(G_C - G) K)^T U."""
+    U = U~ - W S, O = scale (exp(G) Q) S + P U, S = exp(G_C) S + (exp(G_C - G) K)^T U.
+    State columns from V_VALUES to V have zero values (U~ = 0): the state-map columns."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // GROUP
@@ -491,7 +492,8 @@ def _delta_state_kernel(
             # U = U~ - W S
             ws_row = tok[:, None] * HV + hv
             Wc = tl.load(W_ws + ws_row * K + ko[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            U = tl.load(U_ws + ws_row * V + vo[None, :], mask=rmask[:, None] & vmask[None, :], other=0.0)
+            U = tl.load(U_ws + ws_row * V_VALUES + vo[None, :], mask=rmask[:, None] & (vo < V_VALUES)[None, :],
+                        other=0.0)
             U -= _dot(Wc, S, PREC_FAST)
 
             # O = scale (exp(G) Q) S + P U
@@ -577,7 +579,7 @@ def sequential_config(BK: int, V: int, prec_fast: str) -> dict:
 
 
 def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
-                       has_initial_state, out, checkpoint_every=None, checkpoint_indices=None):
+                       has_initial_state, out, checkpoint_every=None, checkpoint_indices=None, map_columns=0):
     """Chunked prefill of GDN / KDA over a packed varlen batch (``torch_backend.prefill`` semantics).
 
     q, k:   [T, H, K] bf16 / fp16 / fp32, any strides (raw if ``recipe.qk_l2norm``).
@@ -595,16 +597,21 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     checkpoint_every, checkpoint_indices: the state after (j + 1) * checkpoint_every tokens of
             sequence n goes to slot checkpoint_indices[n, j] (int32 [N, M]) when >= 0;
             checkpoint_every is a multiple of 64.
-    K, V <= 256. Returns ``out``.
+    map_columns: 0, or K: the state (pool) and ``out`` then have V + K columns, the last K with
+            zero values. Started from the identity there, they carry the segment's affine state
+            map (context parallelism, ``cula_serve.dist.cp``) at the cost of wider state tiles
+            only: the intra-chunk kernel and its workspace see the V value columns alone.
+    K, V + map_columns <= 256. Returns ``out``.
     """
     if recipe.mode not in ("gdn", "kda"):
         raise ValueError(f"delta_rule_prefill: mode {recipe.mode!r} is not a delta rule")
     T, H, K = q.shape
     HV, V = v.shape[1:]
+    V_state = V + map_columns
     N = cu_seqlens.shape[0] - 1
     C = CHUNK_SIZE
-    if max(K, V) > MAX_HEAD_DIM:
-        raise ValueError(f"head dims K={K}, V={V}: the Triton prefill supports at most {MAX_HEAD_DIM}")
+    if max(K, V_state) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims K={K}, V={V_state}: the Triton prefill supports at most {MAX_HEAD_DIM}")
     if checkpoint_every and checkpoint_every % C:
         raise ValueError(f"checkpoint_every={checkpoint_every}: must be a multiple of {C}")
     device = q.device
@@ -627,7 +634,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     W_ws = torch.empty(T, HV, K, dtype=ws_dtype, device=device)
     U_ws = torch.empty(T, HV, V, dtype=torch.float32, device=device)
     P_ws = torch.empty(T, HV, C, dtype=ws_dtype, device=device)
-    common = dict(HV=HV, GROUP=HV // H, K=K, V=V, BK=BK, C=C, PER_CHANNEL=per_channel,
+    common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
                   QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"],
                   **gate_flags)
 
@@ -636,14 +643,14 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         q, k, v, g, beta, A_log, dt_bias, lower_bound, recipe.scale,
         cu_seqlens, table, slots, W_ws, U_ws, P_ws,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        BV=BV_full, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
+        V=V, BV=BV_full, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
         num_warps=8 if BK > 64 and not exact else 4, num_stages=1, **common)
 
-    launch = sequential_config(BK, V, prec["PREC_FAST"])
+    launch = sequential_config(BK, V_state, prec["PREC_FAST"])
     BV = launch["BV"]
     has_pool = state_pool is not None
     ckpt = checkpoint_indices if has_pool and checkpoint_every else None
-    _delta_state_kernel[(N, HV, triton.cdiv(V, BV))](
+    _delta_state_kernel[(N, HV, triton.cdiv(V_state, BV))](
         q, k, g, A_log, dt_bias, lower_bound, recipe.scale,
         cu_seqlens, slots, has_initial_state if has_initial_state is not None else dummy_i32,
         ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0,
@@ -651,5 +658,5 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         *q.stride(), *k.stride(), *g.stride(), *out.stride(),
         *(state_pool.stride() if has_pool else (0, 0, 0, 0)), *(ckpt.stride() if ckpt is not None else (0, 0)),
         HAS_POOL=has_pool, HAS_INIT_FLAGS=has_pool and has_initial_state is not None,
-        HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"], **launch, **common)
+        HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"], V=V_state, V_VALUES=V, **launch, **common)
     return out
