@@ -1,11 +1,23 @@
 """``python -m bench_serving decode-latency``: one layer's decode step and MTP verify + commit
-under CUDA-graph replay, per model shape, batch size, pool dtype and protocol.
+under CUDA-graph replay, per model shape, batch size, pool dtype and protocol, against the peers.
 
 Each step is captured once and replayed with L2 flushed before every replay (states come from
 HBM, as they do in a model with dozens of layers). verify + commit is captured as one graph, with
 every sequence accepting all T tokens (the most state a commit can move). The ratio column is
 (verify + commit) over one decode step of the same batch: the deferred protocol should cost about
 one decode step (DESIGN section 4), the buffer and slots protocols write T states.
+
+Peers (peers.py), each on the same inputs and first checked against the torch reference
+(DESIGN section 7 tolerances: 5e-3 with a float32 pool, 2e-2 with a bfloat16 one; one that
+disagrees is reported and not timed):
+- decode: FLA's fused recurrent kernel (every family; float32 pools only, since it always writes
+  float32 final states), FlashInfer's GDN decode and vLLM's serving GDN decode kernel (both on the
+  pool);
+- verify: vLLM's kernel in vLLM's own slots protocol (verify only: vLLM has no commit step) and
+  FlashInfer's MTP kernel in SGLang's buffer protocol (verify, then SGLang's torch gather-copy
+  commit). "x cula" is the peer's time over cula-serve's for the same step and protocol.
+Inputs are the engines' raw gate projections (A_log, dt_bias, beta logits); FLA gets them
+evaluated to prepared gates outside the timed call.
 """
 from __future__ import annotations
 
@@ -16,34 +28,151 @@ from pathlib import Path
 import torch
 
 from cula_serve import cula_commit, cula_decode, cula_verify
-from cula_serve.inputs import MODEL_SHAPES, random_inputs
+from cula_serve.inputs import MODEL_SHAPES, random_inputs, relative_error
 
+from . import peers
 from .kernels import environment
-from .timing import time_graph
+from .timing import time_call, time_graph
+
+PROTOCOLS = ("deferred", "buffer", "slots")
 
 
-def _step_call(mode, shape, B, T, protocol, state_dtype, device, generator):
-    """A zero-argument callable for one decode (T = 0) or one verify + commit of T tokens."""
+def tolerance(state_dtype) -> float:
+    """DESIGN section 7: bf16 inputs with a float32 state 5e-3, with a bfloat16 state 2e-2."""
+    return 5e-3 if state_dtype == torch.float32 else 2e-2
+
+
+def _inputs(mode, shape, B, T, state_dtype, device, generator):
+    """Engine-form inputs of one decode (T = 0) or verify of T tokens: (kw, pool, slots [B],
+    columns [B, T] for the slots protocol). Slot 0 stays free: vLLM's kernel treats it as its null block."""
     kw = random_inputs(mode, (B, max(T, 1)), **shape, device=device, generator=generator)
-    qkv = {k: kw.pop(k) for k in ("q", "k", "v")}
     HV, V, K = shape["HV"], shape["V"], shape["K"]
     P = 2 * B * max(T, 1)
-    pool = (0.1 * torch.randn(P, HV, V, K, generator=generator)).to(state_dtype).to(device)
-    slots = torch.randperm(P, generator=generator)[:B].to(torch.int32).to(device)
+    # the pool (up to 16 GiB) is drawn on the device, seeded from the CPU generator: reproducible
+    # and seconds faster than drawing it on the host
+    on_device = torch.Generator(device).manual_seed(int(torch.randint(2 ** 62, (1,), generator=generator)))
+    pool = (0.1 * torch.randn(P, HV, V, K, generator=on_device, device=device)).to(state_dtype)
+    order = (1 + torch.randperm(P - 1, generator=generator)).to(torch.int32).to(device)
+    return kw, pool, order[:B], order[:B * max(T, 1)].view(B, max(T, 1))
+
+
+def _split(kw):
+    qkv = {k: kw[k] for k in ("q", "k", "v")}
+    return qkv, {k: v for k, v in kw.items() if k not in qkv}
+
+
+def _cula_step(mode, kw, pool, slots, columns, T, protocol, backend=None):
+    """A zero-argument callable for one cula decode (T = 0) or one verify + commit of T tokens
+    (all accepted), reading and writing ``pool``; returns the output."""
+    qkv, rest = _split(kw)
+    B = slots.shape[0]
     if T == 0:
-        return lambda: cula_decode(**qkv, state_pool=pool, mode=mode, state_indices=slots, **kw)
+        return lambda: cula_decode(**qkv, state_pool=pool, mode=mode, state_indices=slots, backend=backend, **rest)[0]
     extra = dict(state_indices=slots)
     if protocol == "slots":
-        columns = torch.randperm(P, generator=generator)[:B * T].to(torch.int32).to(device).view(B, T)
-        extra = dict(state_indices=columns, num_accepted_tokens=torch.ones(B, dtype=torch.int32, device=device))
+        extra = dict(state_indices=columns, num_accepted_tokens=torch.ones(B, dtype=torch.int32, device=pool.device))
     elif protocol == "buffer":
-        extra["intermediate_states"] = torch.zeros(B, T, HV, V, K, dtype=state_dtype, device=device)
-    accepted = torch.full((B,), T, dtype=torch.int32, device=device)
+        HV, V, K = pool.shape[1:]
+        extra["intermediate_states"] = torch.zeros(B, T, HV, V, K, dtype=pool.dtype, device=pool.device)
+    accepted = torch.full((B,), T, dtype=torch.int32, device=pool.device)
 
     def run():
-        _, pending = cula_verify(**qkv, state_pool=pool, mode=mode, protocol=protocol, **extra, **kw)
+        o, pending = cula_verify(**qkv, state_pool=pool, mode=mode, protocol=protocol, backend=backend, **extra,
+                                 **rest)
         cula_commit(pending, accepted)
+        return o
     return run
+
+
+def _reference(mode, kw, pool, slots, columns, T, protocol):
+    """(o, states written) of the torch reference: for a decode (T = 0) and verify + commit of all
+    T tokens the slots' states; for the slots protocol the verify alone (vLLM has no commit step)
+    and every column's state."""
+    ref = pool.clone()
+    if protocol != "slots":
+        o = _cula_step(mode, kw, ref, slots, columns, T, protocol, backend="torch")()
+        return o, ref[slots.long()]
+    qkv, rest = _split(kw)
+    o, _ = cula_verify(**qkv, state_pool=ref, mode=mode, protocol="slots", state_indices=columns,
+                       num_accepted_tokens=torch.ones(slots.shape[0], dtype=torch.int32, device=pool.device),
+                       backend="torch", **rest)
+    return o, ref[columns.reshape(-1).long()]
+
+
+def _peer_steps(mode, kw, pool, slots, columns, T, state_dtype, versions):
+    """[(peer, op label, build)] of the peers that have an equivalent of this step; ``build()``
+    returns (run, work pool or None, written rows of the pool to compare) with ``run()`` giving
+    the output (or (output, final dense states) when the work pool is None)."""
+    steps = []
+    B = slots.shape[0]
+    if T == 0:
+        if versions.get("fla") and state_dtype == torch.float32:
+            steps.append(("fla", "decode", lambda: (peers.fla_decode(mode, kw, pool[slots.long()].clone()), None, slots)))
+        if mode == "gdn" and versions.get("flashinfer"):
+            def flashinfer():
+                work = pool.clone()
+                return peers.flashinfer_decode(kw, work, slots), work, slots
+            steps.append(("flashinfer", "decode", flashinfer))
+        if mode == "gdn" and versions.get("vllm"):
+            def vllm():
+                work = pool.clone()
+                return peers.vllm_decode(kw, work, slots), work, slots
+            steps.append(("vllm", "decode", vllm))
+        return steps
+    if mode != "gdn":
+        return steps
+    if versions.get("vllm"):
+        def vllm_verify():
+            work = pool.clone()
+            accepted = torch.ones(B, dtype=torch.int32, device=pool.device)
+            return peers.vllm_decode(kw, work, columns, accepted), work, columns.reshape(-1)
+        steps.append(("vllm", "verify slots", vllm_verify))
+    if versions.get("flashinfer"):
+        def flashinfer_verify():
+            work = pool.clone()
+            HV, V, K = pool.shape[1:]
+            intermediate = torch.zeros(B, T, HV, V, K, dtype=pool.dtype, device=pool.device)
+            accepted = torch.full((B,), T, dtype=torch.int32, device=pool.device)
+            return peers.flashinfer_verify_commit(kw, work, slots, intermediate, accepted), work, slots
+        steps.append(("flashinfer", "verify+commit buffer", flashinfer_verify))
+    return steps
+
+
+def _run_peer(build, ref_o, ref_states, state_dtype, device):
+    """Check one peer step against the reference (output and the states it wrote), then time it
+    (the timed replays carry on from the checked states). Returns a partial row."""
+    try:
+        run, work, written = build()
+        result = run()
+        o, final = (result, work[written.long()]) if work is not None else result
+        err = max(relative_error(o.reshape(ref_o.shape), ref_o), relative_error(final, ref_states))
+        if not err <= tolerance(state_dtype):
+            return dict(status="wrong", rel_err=err)
+        ms, timing = time_graph(run, device), "graph"
+        if ms is None:
+            ms, timing = time_call(run, device), "eager (capture failed)"
+    except Exception as exc:  # noqa: BLE001 - a peer failing is reported, not fatal
+        text = str(exc).strip().splitlines()
+        return dict(status="failed", error=f"{type(exc).__name__}: {text[0] if text else ''}")
+    return dict(status="ok", rel_err=err, ms=ms, timing=timing)
+
+
+def _print_peer(model, state, B, T, row):
+    if T:  # laid out like the cula rows: "T4 slots     v+c" (vLLM's slots verify has no commit: "v")
+        op = row["op"].split()
+        step = f"T{T} {op[-1]:9s} {'v+c' if op[0] == 'verify+commit' else 'v':5s}"
+    else:
+        step = f"{'decode':21s}"
+    head = f"{model:12s} {state:9s} B{B:<4d} {step} {row['backend']:10s}"
+    if row["status"] == "failed":
+        print(f"{head} FAILED, not timed: {row['error']}", flush=True)
+    elif row["status"] == "wrong":
+        print(f"{head} WRONG: rel err {row['rel_err']:.2e} > {tolerance(torch.float32 if state == 'float32' else torch.bfloat16):g}, "
+              f"not timed", flush=True)
+    else:
+        extra = f"{row['TBps']:6.2f} TB/s " if "TBps" in row else ""
+        ratio = f"{row['vs_cula']:5.2f}x cula" if "vs_cula" in row else ""
+        print(f"{head} {row['ms'] * 1e3:8.1f} us {extra}{ratio} {row['timing']}", flush=True)
 
 
 def main(args) -> int:
@@ -53,29 +182,56 @@ def main(args) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     env = environment(device)
     print(f"bench_serving decode-latency on {env['gpu']}: torch {env['torch']}, triton {env['triton']}, {env['date']}")
+    status = peers.select(getattr(args, "peers", None))
+    for line in peers.absence_lines(status):
+        print(f"  {line}")
+    versions = peers.peer_versions(status)
     generator = torch.Generator().manual_seed(args.seed)
     rows = []
     models = [m for m in MODEL_SHAPES if not args.filter or args.filter in m]
     for model in models:
         s = MODEL_SHAPES[model]
-        shape = dict(H=s["H"], HV=s["HV"], K=s["K"], V=s["V"])
+        mode, shape = s["mode"], dict(H=s["H"], HV=s["HV"], K=s["K"], V=s["V"])
         for state_dtype in (torch.float32, torch.bfloat16):
+            state = str(state_dtype)[6:]
             for B in args.batch_sizes:
-                print(f"{model} {str(state_dtype)[6:]} B{B}", file=sys.stderr, flush=True)
-                decode_ms = time_graph(_step_call(s["mode"], shape, B, 0, None, state_dtype, device, generator), device)
+                print(f"{model} {state} B{B}", file=sys.stderr, flush=True)
+                kw, pool, slots, columns = _inputs(mode, shape, B, 0, state_dtype, device, generator)
                 state_bytes = 2 * B * shape["HV"] * shape["V"] * shape["K"] * torch.finfo(state_dtype).bits // 8
-                rows.append(dict(model=model, state=str(state_dtype)[6:], B=B, op="decode", T=1, ms=decode_ms,
+                decode_ms = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, 0, None), device)
+                rows.append(dict(model=model, state=state, B=B, op="decode", backend="cula", T=1, ms=decode_ms,
                                  TBps=state_bytes / (decode_ms * 1e-3) / 1e12))
-                print(f"{model:12s} {rows[-1]['state']:9s} B{B:<4d} decode                {decode_ms * 1e3:8.1f} us "
+                print(f"{model:12s} {state:9s} B{B:<4d} decode                cula       {decode_ms * 1e3:8.1f} us "
                       f"{rows[-1]['TBps']:6.2f} TB/s", flush=True)
+                steps = _peer_steps(mode, kw, pool, slots, columns, 0, state_dtype, versions)
+                if steps:
+                    ref_o, ref_states = _reference(mode, kw, pool, slots, columns, 0, None)
+                for peer, op, build in steps:
+                    row = dict(model=model, state=state, B=B, op=op, backend=peer, T=1,
+                               **_run_peer(build, ref_o, ref_states, state_dtype, device))
+                    if row["status"] == "ok":
+                        row.update(TBps=state_bytes / (row["ms"] * 1e-3) / 1e12, vs_cula=row["ms"] / decode_ms)
+                    rows.append(row)
+                    _print_peer(model, state, B, 0, row)
                 for T in args.verify_tokens:
-                    for protocol in ("deferred", "buffer", "slots"):
-                        ms = time_graph(_step_call(s["mode"], shape, B, T, protocol, state_dtype, device, generator),
-                                        device)
-                        rows.append(dict(model=model, state=rows[-1]["state"], B=B, op=f"verify+commit {protocol}",
+                    kw, pool, slots, columns = _inputs(mode, shape, B, T, state_dtype, device, generator)
+                    cula_ms = {}
+                    for protocol in PROTOCOLS:
+                        ms = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, T, protocol), device)
+                        cula_ms[protocol] = ms
+                        rows.append(dict(model=model, state=state, B=B, op=f"verify+commit {protocol}", backend="cula",
                                          T=T, ms=ms, vs_decode=ms / decode_ms))
-                        print(f"{model:12s} {rows[-1]['state']:9s} B{B:<4d} T{T} {protocol:9s} v+c   {ms * 1e3:8.1f} us "
+                        print(f"{model:12s} {state:9s} B{B:<4d} T{T} {protocol:9s} v+c   cula       {ms * 1e3:8.1f} us "
                               f"{ms / decode_ms:5.2f}x decode", flush=True)
+                    for peer, op, build in _peer_steps(mode, kw, pool, slots, columns, T, state_dtype, versions):
+                        protocol = op.split()[-1]
+                        ref_o, ref_states = _reference(mode, kw, pool, slots, columns, T, protocol)
+                        row = dict(model=model, state=state, B=B, op=op, backend=peer, T=T,
+                                   **_run_peer(build, ref_o, ref_states, state_dtype, device))
+                        if row["status"] == "ok":
+                            row.update(vs_decode=row["ms"] / decode_ms, vs_cula=row["ms"] / cula_ms[protocol])
+                        rows.append(row)
+                        _print_peer(model, state, B, T, row)
                 torch.cuda.empty_cache()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,13 @@
 
 For each case, every candidate first runs once on the same inputs and is compared with the torch
 reference backend (outputs and final states, relative error <= 5e-3, DESIGN section 7); one that
-disagrees is reported as wrong and not timed. Prefill reports ns per token-head, decode TB/s of
-state traffic (one read and one write of every live state); both report the ratio to FLA measured
-in this process. Decode is timed as CUDA-graph replay, as engines run it (a contender that cannot
-be captured is timed eagerly and marked so); prefill eagerly.
+disagrees is reported as wrong and not timed, one that raises as failed. Candidates: the cula
+backends, then the installed peers (peers.py): FLA for every family; for GDN FlashInfer (prefill
+and decode, on the pool), FlashQLA (prefill) and vLLM's serving decode kernel (decode, on the
+pool). Prefill reports ns per token-head, decode TB/s of state traffic (one read and one write
+of every live state); both report the ratio to FLA measured in this process. Decode is timed as
+CUDA-graph replay, as engines run it (a contender that cannot be captured is timed eagerly and
+marked so); prefill eagerly.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from cula_serve.inputs import random_inputs, relative_error
 
 from . import peers
 from .cases import Case, cpu_cases, gpu_cases
+from .plotting import pyplot
 from .timing import time_call, time_graph
 
 PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
@@ -33,9 +37,10 @@ def _inputs(case: Case, device, generator):
     kw = random_inputs(case.mode, lead, H=case.H, HV=case.HV, K=case.K, V=case.V, device=device,
                        fused_gate=False, generator=generator)
     n = len(case.seqlens) if case.op == "prefill" else case.batch
-    # a pool with spare slots and permuted indices, as an engine's would be
+    # a pool with spare slots and permuted indices, as an engine's would be; slot 0 stays free
+    # because vLLM's decode kernel treats it as its null block
     pool = 0.1 * torch.randn(2 * n, case.HV, case.V, case.K, generator=generator).to(device)
-    slots = torch.randperm(2 * n, generator=generator)[:n].to(torch.int32).to(device)
+    slots = (1 + torch.randperm(2 * n - 1, generator=generator)[:n]).to(torch.int32).to(device)
     return kw, pool, slots
 
 
@@ -56,8 +61,18 @@ def _cula_call(case, kw, pool, slots, backend, **extra):
     return run
 
 
+def _peer(out, name, build):
+    """Append ``(name, run, pool_or_None)`` from ``build()``, or ``(name, error, None)`` if it raises."""
+    try:
+        out.append((name, *build()))
+    except Exception as err:  # noqa: BLE001 - a peer that cannot run this case is reported, not fatal
+        out.append((name, err, None))
+
+
 def _candidates(case, device, kw, pool, slots, versions):
-    """[(name, run, pool_or_None, dense_final_getter)] for every backend and peer that can run the case."""
+    """[(name, run or the exception that prevented it, pool_or_None)] for every backend and peer
+    that can run the case. With a pool, ``run()`` returns the output and the final states are read
+    from the pool; without, it returns (output, final states [N, HV, V, K])."""
     out = []
     for name in dispatch.BACKENDS:
         module, _ = dispatch.backend_status(name, device)
@@ -67,11 +82,29 @@ def _candidates(case, device, kw, pool, slots, versions):
             continue
         work = pool.clone()
         out.append((f"cula-{name}", _cula_call(case, kw, work, slots, name), work))
-    if versions["fla"]:
-        dense = pool[slots.long()].clone()
-        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], device=device) if case.op == "prefill" else None
-        run = peers.fla_prefill(case.mode, kw, dense, cu) if case.op == "prefill" else peers.fla_decode(case.mode, kw, dense)
-        out.append(("fla", run, None))
+    if device.type != "cuda":
+        return out  # the peers are GPU libraries; the CPU table is the reference backend alone
+    cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], device=device) if case.op == "prefill" else None
+    if versions.get("fla"):
+        # FLA and FlashQLA take dense states: gathered from the pool here, outside the timed call
+        _peer(out, "fla", lambda: ((peers.fla_prefill(case.mode, kw, pool[slots.long()].clone(), cu)
+                                    if case.op == "prefill" else
+                                    peers.fla_decode(case.mode, kw, pool[slots.long()].clone())), None))
+    if case.mode != "gdn":
+        return out
+    if versions.get("flashinfer"):
+        def flashinfer():
+            work = pool.clone()
+            return ((peers.flashinfer_prefill(kw, work, slots, case.seqlens) if case.op == "prefill"
+                     else peers.flashinfer_decode(kw, work, slots)), work)
+        _peer(out, "flashinfer", flashinfer)
+    if case.op == "prefill" and versions.get("flashqla"):
+        _peer(out, "flashqla", lambda: (peers.flashqla_prefill(kw, pool[slots.long()].clone(), cu), None))
+    if case.op == "decode" and versions.get("vllm"):
+        def vllm():
+            work = pool.clone()
+            return peers.vllm_decode(kw, work, slots), work
+        _peer(out, "vllm", vllm)
     return out
 
 
@@ -87,23 +120,31 @@ def run_case(case: Case, device, versions, generator):
     rows = []
     for name, run, work in _candidates(case, device, kw, pool, slots, versions):
         start_states = None if work is None else work.clone()
-        result = run()
-        o, final = (result, work[slots.long()]) if work is not None else result
-        err = max(relative_error(o.reshape(ref_o.shape), ref_o), relative_error(final, ref_final))
-        row = dict(case=case.name, op=case.op, backend=name, rel_err=err)
-        if not err <= AGREEMENT:
-            row["status"] = "wrong"
+        row = dict(case=case.name, op=case.op, backend=name)
+        try:
+            if isinstance(run, Exception):
+                raise run
+            result = run()
+            o, final = (result, work[slots.long()]) if work is not None else result
+            row["rel_err"] = max(relative_error(o.reshape(ref_o.shape), ref_o), relative_error(final, ref_final))
+            if not row["rel_err"] <= AGREEMENT:
+                row["status"] = "wrong"
+                rows.append(row)
+                continue
+            if work is not None:
+                work.copy_(start_states)
+            ms = None
+            if case.op == "decode" and device.type == "cuda":
+                ms = time_graph(run, device)
+                row["timing"] = "graph" if ms is not None else "eager (capture failed)"
+            if ms is None:
+                ms = time_call(run, device)
+                row.setdefault("timing", "eager")
+        except Exception as exc:  # noqa: BLE001 - one contender failing must not stop the table
+            text = str(exc).strip().splitlines()
+            row.update(status="failed", error=f"{type(exc).__name__}: {text[0] if text else ''}")
             rows.append(row)
             continue
-        if work is not None:
-            work.copy_(start_states)
-        ms = None
-        if case.op == "decode" and device.type == "cuda":
-            ms = time_graph(run, device)
-            row["timing"] = "graph" if ms is not None else "eager (capture failed)"
-        if ms is None:
-            ms = time_call(run, device)
-            row.setdefault("timing", "eager")
         row.update(status="ok", ms=ms)
         if case.op == "prefill":
             row["ns_per_token_head"] = ms * 1e6 / (sum(case.seqlens) * case.HV)
@@ -119,6 +160,9 @@ def run_case(case: Case, device, versions, generator):
 
 def _print_rows(rows):
     for r in rows:
+        if r["status"] == "failed":
+            print(f"{r['case']:38s} {r['backend']:12s} FAILED, not timed: {r['error']}")
+            continue
         if r["status"] != "ok":
             print(f"{r['case']:38s} {r['backend']:12s} WRONG: rel err {r['rel_err']:.2e} > {AGREEMENT:g}, not timed")
             continue
@@ -146,12 +190,8 @@ def environment(device) -> dict:
 
 
 def plot(rows, path: Path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install cula-serve[bench])")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(16, 6))
     for ax, op, metric, label in ((axes[0], "prefill", "ns_per_token_head", "ns per token-head (lower is better)"),
@@ -179,8 +219,10 @@ def main(args) -> int:
     env = environment(device)
     print(f"bench_serving kernels on {env.get('gpu', 'cpu')}: torch {env['torch']}, triton {env['triton']}, "
           f"python {env['python']}, {env['date']}")
-    for peer, version in env["peers"].items():
-        print(f"  peer {peer}: {version or 'not installed, skipped'}")
+    status = peers.select(getattr(args, "peers", None))
+    for peer, (version, why) in status.items():
+        print(f"  peer {peer}: {version or why + ', skipped'}")
+    versions = peers.peer_versions(status)
     if device.type != "cuda":
         print("no GPU: a small table on the reference backend; timings need a GPU")
     cases = gpu_cases() if device.type == "cuda" else cpu_cases()
@@ -190,7 +232,7 @@ def main(args) -> int:
     rows = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.name}", file=sys.stderr, flush=True)
-        case_rows = run_case(case, device, env["peers"], generator)
+        case_rows = run_case(case, device, versions, generator)
         _print_rows(case_rows)
         rows += case_rows
         if device.type == "cuda":
