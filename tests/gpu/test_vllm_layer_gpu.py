@@ -1,0 +1,188 @@
+"""The vLLM plugin's layer-level path on a GPU, without vLLM: vLLM-shaped batch metadata
+(tests/plugin_vllm/vllm_shaped.py, the fields vLLM's GDN builder fills) translated by
+``cula_serve.integrations.vllm.translate`` into cula-serve calls on the GPU's kernels, over state
+pages laid out as vLLM lays them out (page-strided [num_blocks, HV, V, K] views), at the model
+shapes of DESIGN section 1, against the float64 oracle; and the decode-only and uniform-verify
+batches that vLLM replays as FULL CUDA graphs, captured once and replayed with new slots,
+accepted counts and inputs written into the same buffers.
+
+Run with ``pytest -m gpu tests/gpu/test_vllm_layer_gpu.py`` (vLLM need not be installed).
+"""
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ORACLE, assert_close, skip_module_unless_gpu, tolerance
+
+pytestmark = pytest.mark.gpu
+
+skip_module_unless_gpu()
+
+# The vLLM-shaped batches are shared with the CPU translation tests in tests/plugin_vllm.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin_vllm"))
+
+from cula_serve.inputs import MODE_SHAPES  # noqa: E402
+from cula_serve.integrations.vllm.translate import (DeltaRuleInputs, plan_linear_attention,  # noqa: E402
+                                                    run_delta_rule, split_tokens)
+from vllm_shaped import Row, batch_metadata, gate_parameters, oracle_row, random_row_inputs, state_pages  # noqa: E402
+
+DEVICE = torch.device("cuda")
+MODES = ["gdn", "kda"]
+NUM_BLOCKS = 40
+
+
+def _batch_inputs(mode, rows, T, generator):
+    shape = MODE_SHAPES[mode]
+    per_row = [random_row_inputs(mode, 0 if r.kind == "pad" else r.num_tokens, **shape, dtype=torch.bfloat16,
+                                 generator=generator, device=DEVICE) for r in rows]
+    batch = [torch.cat([x[i] for x in per_row]) for i in range(5)]
+    batch = [torch.cat([t, torch.zeros(T - t.shape[0], *t.shape[1:], dtype=t.dtype, device=DEVICE)]) for t in batch]
+    return per_row, batch
+
+
+def _run(plan, mode, batch, pool, out, params):
+    spec, rest = zip(*(split_tokens(plan, t) for t in batch))
+    spec = None if spec[0] is None else DeltaRuleInputs(*spec)
+    rest = None if rest[0] is None else DeltaRuleInputs(*rest)
+    run_delta_rule(plan, mode, spec, rest, pool, out, **params)
+
+
+def _fill_reads(rows, pool, generator):
+    """Random states in the blocks the batch reads; returns {row index: state} (float64)."""
+    reads = {}
+    for i, r in enumerate(rows):
+        if r.kind == "pad" or (r.kind == "prefill" and not r.has_initial_state):
+            continue
+        block = r.blocks[r.num_accepted - 1] if r.kind == "verify" else r.blocks[0]
+        pool[block] = (0.5 * torch.randn(pool.shape[1:], generator=generator)).to(pool.dtype).to(DEVICE)
+        reads[i] = pool[block].double()
+    return reads
+
+
+def _check(mode, rows, per_row, reads, out, pool, params, state_dtype):
+    tol = tolerance(torch.bfloat16, state_dtype)
+    position = 0
+    for i, (r, x) in enumerate(zip(rows, per_row)):
+        if r.kind == "pad":
+            continue
+        n = x[0].shape[0]
+        o, states = oracle_row(mode, *x, reads.get(i), params, ORACLE)
+        assert_close(out[position: position + n], o, tol, f"{r.kind} row output")
+        if r.kind == "verify":
+            for t in range(n):
+                assert_close(pool[r.blocks[t]], states[t], tol, f"verify state column {t}")
+        else:
+            assert_close(pool[r.blocks[0]], states[-1], tol, f"{r.kind} state")
+        if r.checkpoint:
+            assert_close(pool[r.checkpoint[1]], states[r.checkpoint[0] - 1], tol, "checkpoint state")
+        position += n
+    assert torch.all(out[position:] == 0), "padding tokens get zero output"
+    owned = {b for r in rows if r.kind != "pad" for b in r.blocks} | {r.checkpoint[1] for r in rows if r.checkpoint}
+    for block in set(range(NUM_BLOCKS)) - owned:
+        assert torch.isnan(pool[block].float()).all(), f"block {block} was written"
+
+
+BATCHES = {
+    "decodes+padding": (0, 2, [Row("decode", (b,)) for b in (5, 17, 2, 33, 8)] + [Row("pad")] * 2),
+    "decodes+prefills+checkpoint": (0, 0, [
+        Row("decode", (3,)), Row("decode", (8,)), Row("prefill", (12,), 300, has_initial_state=True),
+        Row("prefill", (20,), 200, has_initial_state=False, checkpoint=(192, 6)),
+        Row("prefill", (1,), 1, has_initial_state=False)]),
+    "uniform-verify+padding": (2, 6, [
+        Row("verify", (4, 11, 2), 3, num_accepted=2), Row("verify", (9, 1, 14), 3, num_accepted=3),
+        Row("verify", (6, 13, 3), 3, num_accepted=1), Row("pad"), Row("pad")]),
+    "ragged-verify+prefill": (2, 0, [
+        Row("verify", (4, 11, 2), 3, num_accepted=3), Row("verify", (9, 1, 14), 1, num_accepted=2),
+        Row("verify", (6, 13, 3), 2, num_accepted=2), Row("prefill", (10,), 77, has_initial_state=True)]),
+}
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_shaped_batch(mode, batch, state_dtype):
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{mode} {batch} {state_dtype}".encode()))
+    num_spec, padded, rows = BATCHES[batch]
+    shape = MODE_SHAPES[mode]
+    _, pool = state_pages(NUM_BLOCKS, shape["HV"], shape["V"], shape["K"], state_dtype, device=DEVICE)
+    md = batch_metadata(rows, num_spec=num_spec, device=DEVICE, padded_tokens=padded)
+    plan = plan_linear_attention(md)
+    params = gate_parameters(mode, shape["HV"], shape["K"], generator, device=DEVICE,
+                             lower_bound=-5.0 if mode == "kda" else None)
+    reads = _fill_reads(rows, pool, generator)
+    per_row, inputs = _batch_inputs(mode, rows, md.num_actual_tokens, generator)
+    out = torch.zeros(md.num_actual_tokens, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
+    _run(plan, mode, inputs, pool, out, params)
+    torch.cuda.synchronize()
+    _check(mode, rows, per_row, reads, out, pool, params, state_dtype)
+
+
+def _graph_batches(kind):
+    """Two batches of one CUDA-graph bucket (same row count and tokens per row): the one
+    captured and the one replayed, with different blocks, accepted counts and padding."""
+    if kind == "decode":
+        return 0, 2, ([Row("decode", (b,)) for b in (5, 17, 2, 33)] + [Row("pad")] * 2,
+                      [Row("decode", (b,)) for b in (9, 3, 21)] + [Row("pad")] * 3)
+    first = [Row("verify", blocks, 3, num_accepted=a) for blocks, a in
+             (((4, 11, 2), 1), ((9, 1, 14), 2), ((6, 13, 3), 3), ((20, 22, 24), 1))]
+    second = [Row("verify", blocks, 3, num_accepted=a) for blocks, a in
+              (((30, 31, 32), 3), ((15, 16, 18), 1))] + [Row("pad")] * 2
+    return 2, 0, (first, second)
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+@pytest.mark.parametrize("mode", MODES)
+def test_full_cuda_graph_replay(mode, kind):
+    """Capture a decode-only / uniform verify batch as vLLM's FULL graphs do (metadata in
+    persistent buffers, slots translated into the builder's buffer), replay it with another
+    batch written into the same buffers, and compare with the oracle."""
+    generator = torch.Generator().manual_seed(7 + MODES.index(mode))
+    num_spec, padded, (captured, replayed) = _graph_batches(kind)
+    shape = MODE_SHAPES[mode]
+    HV, V, K = shape["HV"], shape["V"], shape["K"]
+    num_tokens = sum(0 if r.kind == "pad" else r.num_tokens for r in captured) + padded
+    params = gate_parameters(mode, HV, K, generator, device=DEVICE, lower_bound=-5.0 if mode == "kda" else None)
+    _, pool = state_pages(NUM_BLOCKS, HV, V, K, torch.float32, device=DEVICE)
+
+    # vLLM's persistent metadata buffers and the plugin builder's translated-slot buffer.
+    index_field = "non_spec_state_indices_tensor" if kind == "decode" else "spec_state_indices_tensor"
+    slots_out = torch.full((8,) if kind == "decode" else (8, 1 + num_spec), -1, dtype=torch.int32, device=DEVICE)
+    vllm_indices = torch.zeros_like(slots_out)
+    vllm_accepted = torch.ones(8, dtype=torch.int32, device=DEVICE)
+    out = torch.zeros(num_tokens, HV, V, dtype=torch.bfloat16, device=DEVICE)
+
+    def stage(rows):
+        """vLLM's builder for a FULL-graph batch: copy into the persistent buffers, plan."""
+        md = batch_metadata(rows, num_spec=num_spec, device=DEVICE,
+                            padded_tokens=num_tokens - sum(0 if r.kind == "pad" else r.num_tokens for r in rows))
+        indices = getattr(md, index_field)
+        vllm_indices[: indices.shape[0]].copy_(indices)
+        setattr(md, index_field, vllm_indices[: indices.shape[0]])
+        if kind == "verify":
+            vllm_accepted[: md.num_accepted_tokens.shape[0]].copy_(md.num_accepted_tokens)
+            md.num_accepted_tokens = vllm_accepted[: md.num_accepted_tokens.shape[0]]
+        out_buffer = dict(decode_slots_out=slots_out) if kind == "decode" else dict(verify_slots_out=slots_out)
+        return md, plan_linear_attention(md, **out_buffer)
+
+    md, plan = stage(captured)
+    _fill_reads(captured, pool, generator)
+    _, static_inputs = _batch_inputs(mode, captured, num_tokens, generator)
+    _run(plan, mode, static_inputs, pool, out, params)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(plan, mode, static_inputs, pool, out, params)
+
+    pool.fill_(float("nan"))
+    stage(replayed)
+    reads = _fill_reads(replayed, pool, generator)
+    per_row, inputs = _batch_inputs(mode, replayed, num_tokens, generator)
+    for static, new in zip(static_inputs, inputs):
+        static.copy_(new)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(mode, replayed, per_row, reads, out, pool, params, torch.float32)
