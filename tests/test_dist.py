@@ -5,8 +5,8 @@ import torch
 import torch.multiprocessing as mp
 
 from cula_serve import StatePool, cula_gdn, cula_kda
-from cula_serve.dist import (alloc_decode_state_pool, alloc_state_buffer, cula_gdn_cp, cula_gdn_tp, cula_kda_tp,
-                             head_shard, shard_heads, split_cu_seqlens_for_sp)
+from cula_serve.dist import (alloc_decode_state_pool, alloc_state_buffer, cula_gdn_cp, cula_gdn_tp, cula_gdn_tp_cp,
+                             cula_kda_tp, head_shard, shard_heads, split_cu_seqlens_for_sp)
 
 from conftest import ORACLE, SMALL, assert_close, random_inputs, to_float64
 import dist_cases
@@ -91,6 +91,9 @@ def test_tensor_parallel_rejects_unsharded_tensors(generator):
     kw = random_inputs("gdn", (1, 8), H=16, HV=32, K=16, V=8, dtype=torch.float32, generator=generator)
     with pytest.raises(ValueError, match="q: tensor-parallel rank 1 of 4 holds 4 of 16 heads"):
         cula_gdn_tp(**kw, shard=shard)
+    with pytest.raises(ValueError, match="v: tensor-parallel rank 1 of 4 holds 8 of 32 heads"):
+        cula_gdn_tp_cp(**dict(kw, q=kw["q"][:, :, :4], k=kw["k"][:, :, :4]), shard=shard, cu_seqlens=[0, 8],
+                       state_pool=None, state_indices=None)
     with pytest.raises(ValueError, match="num_heads: 16 qk heads do not split over 3"):
         head_shard(16, 32, rank=0, world_size=3)
     assert isinstance(alloc_decode_state_pool(4, shard, 8, 16), StatePool)
