@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ORACLE, assert_close, skip_module_unless_gpu, tolerance
+from conftest import skip_module_unless_gpu, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -25,64 +25,22 @@ skip_module_unless_gpu()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin_vllm"))
 
 from cula_serve.inputs import MODE_SHAPES  # noqa: E402
-from cula_serve.integrations.vllm.translate import (DeltaRuleInputs, plan_linear_attention,  # noqa: E402
-                                                    run_delta_rule, split_tokens)
-from vllm_shaped import Row, batch_metadata, gate_parameters, oracle_row, random_row_inputs, state_pages  # noqa: E402
+from cula_serve.integrations.vllm.translate import plan_linear_attention  # noqa: E402
+from vllm_shaped import (Row, batch_inputs, batch_metadata, check_rows, fill_reads, gate_parameters,  # noqa: E402
+                         run_rows, state_pages)
 
 DEVICE = torch.device("cuda")
 MODES = ["gdn", "kda"]
 NUM_BLOCKS = 40
 
 
-def _batch_inputs(mode, rows, T, generator):
-    shape = MODE_SHAPES[mode]
-    per_row = [random_row_inputs(mode, 0 if r.kind == "pad" else r.num_tokens, **shape, dtype=torch.bfloat16,
-                                 generator=generator, device=DEVICE) for r in rows]
-    batch = [torch.cat([x[i] for x in per_row]) for i in range(5)]
-    batch = [torch.cat([t, torch.zeros(T - t.shape[0], *t.shape[1:], dtype=t.dtype, device=DEVICE)]) for t in batch]
-    return per_row, batch
-
-
-def _run(plan, mode, batch, pool, out, params):
-    spec, rest = zip(*(split_tokens(plan, t) for t in batch))
-    spec = None if spec[0] is None else DeltaRuleInputs(*spec)
-    rest = None if rest[0] is None else DeltaRuleInputs(*rest)
-    run_delta_rule(plan, mode, spec, rest, pool, out, **params)
-
-
-def _fill_reads(rows, pool, generator):
-    """Random states in the blocks the batch reads; returns {row index: state} (float64)."""
-    reads = {}
-    for i, r in enumerate(rows):
-        if r.kind == "pad" or (r.kind == "prefill" and not r.has_initial_state):
-            continue
-        block = r.blocks[r.num_accepted - 1] if r.kind == "verify" else r.blocks[0]
-        pool[block] = (0.5 * torch.randn(pool.shape[1:], generator=generator)).to(pool.dtype).to(DEVICE)
-        reads[i] = pool[block].double()
-    return reads
+def _batch_inputs(mode, rows, num_tokens, generator):
+    return batch_inputs(mode, rows, num_tokens, MODE_SHAPES[mode], dtype=torch.bfloat16, generator=generator,
+                        device=DEVICE)
 
 
 def _check(mode, rows, per_row, reads, out, pool, params, state_dtype):
-    tol = tolerance(torch.bfloat16, state_dtype)
-    position = 0
-    for i, (r, x) in enumerate(zip(rows, per_row)):
-        if r.kind == "pad":
-            continue
-        n = x[0].shape[0]
-        o, states = oracle_row(mode, *x, reads.get(i), params, ORACLE)
-        assert_close(out[position: position + n], o, tol, f"{r.kind} row output")
-        if r.kind == "verify":
-            for t in range(n):
-                assert_close(pool[r.blocks[t]], states[t], tol, f"verify state column {t}")
-        else:
-            assert_close(pool[r.blocks[0]], states[-1], tol, f"{r.kind} state")
-        if r.checkpoint:
-            assert_close(pool[r.checkpoint[1]], states[r.checkpoint[0] - 1], tol, "checkpoint state")
-        position += n
-    assert torch.all(out[position:] == 0), "padding tokens get zero output"
-    owned = {b for r in rows if r.kind != "pad" for b in r.blocks} | {r.checkpoint[1] for r in rows if r.checkpoint}
-    for block in set(range(NUM_BLOCKS)) - owned:
-        assert torch.isnan(pool[block].float()).all(), f"block {block} was written"
+    check_rows(mode, rows, per_row, reads, out, pool, params, tolerance(torch.bfloat16, state_dtype))
 
 
 BATCHES = {
@@ -112,10 +70,10 @@ def test_vllm_shaped_batch(mode, batch, state_dtype):
     plan = plan_linear_attention(md)
     params = gate_parameters(mode, shape["HV"], shape["K"], generator, device=DEVICE,
                              lower_bound=-5.0 if mode == "kda" else None)
-    reads = _fill_reads(rows, pool, generator)
+    reads = fill_reads(rows, pool, generator)
     per_row, inputs = _batch_inputs(mode, rows, md.num_actual_tokens, generator)
     out = torch.zeros(md.num_actual_tokens, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
-    _run(plan, mode, inputs, pool, out, params)
+    run_rows(plan, mode, inputs, pool, out, params)
     torch.cuda.synchronize()
     _check(mode, rows, per_row, reads, out, pool, params, state_dtype)
 
@@ -168,17 +126,17 @@ def test_full_cuda_graph_replay(mode, kind):
         return md, plan_linear_attention(md, **out_buffer)
 
     md, plan = stage(captured)
-    _fill_reads(captured, pool, generator)
+    fill_reads(captured, pool, generator)
     _, static_inputs = _batch_inputs(mode, captured, num_tokens, generator)
-    _run(plan, mode, static_inputs, pool, out, params)  # compile before capture
+    run_rows(plan, mode, static_inputs, pool, out, params)  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _run(plan, mode, static_inputs, pool, out, params)
+        run_rows(plan, mode, static_inputs, pool, out, params)
 
     pool.fill_(float("nan"))
     stage(replayed)
-    reads = _fill_reads(replayed, pool, generator)
+    reads = fill_reads(replayed, pool, generator)
     per_row, inputs = _batch_inputs(mode, replayed, num_tokens, generator)
     for static, new in zip(static_inputs, inputs):
         static.copy_(new)

@@ -4,10 +4,9 @@ environment; tests/gpu/test_vllm_layer_gpu.py runs the same batches on a GPU."""
 import pytest
 import torch
 
-from conftest import ORACLE, SMALL, assert_close, tolerance
-from cula_serve.integrations.vllm.translate import (DeltaRuleInputs, null_block_to_padding, plan_linear_attention,
-                                                    run_delta_rule, split_tokens)
-from vllm_shaped import Row, batch_metadata, gate_parameters, oracle_row, random_row_inputs, state_pages
+from conftest import SMALL, tolerance
+from cula_serve.integrations.vllm.translate import null_block_to_padding, plan_linear_attention
+from vllm_shaped import Row, batch_inputs, batch_metadata, check_rows, fill_reads, gate_parameters, run_rows, state_pages
 
 MODES = ["gdn", "kda"]
 NUM_BLOCKS = 24
@@ -22,53 +21,17 @@ def run_batch(mode, rows, *, num_spec=0, padded_tokens=0, state_dtype=torch.floa
     """Build the metadata and plan of ``rows``, fill the blocks the batch reads with random states,
     run it, and check outputs, written states and untouched blocks against the oracle."""
     shape = shape_of(mode)
-    H, HV, K, V = (shape[x] for x in ("H", "HV", "K", "V"))
+    HV, K, V = (shape[x] for x in ("HV", "K", "V"))
     _, pool = state_pages(NUM_BLOCKS, HV, V, K, state_dtype)
     md = batch_metadata(rows, num_spec=num_spec, padded_tokens=padded_tokens)
     plan = plan_linear_attention(md, **(slot_buffers or {}))
     params = gate_parameters(mode, HV, K, generator)
 
-    reads = {}
-    for r in rows:
-        if r.kind == "pad" or (r.kind == "prefill" and not r.has_initial_state):
-            continue
-        block = r.blocks[r.num_accepted - 1] if r.kind == "verify" else r.blocks[0]
-        pool[block] = (0.5 * torch.randn(HV, V, K, generator=generator)).to(state_dtype)
-        reads[id(r)] = pool[block].clone()
-    owned = {b for r in rows if r.kind != "pad" for b in r.blocks} | {r.checkpoint[1] for r in rows if r.checkpoint}
-    untouched = set(range(NUM_BLOCKS)) - owned
-
-    T = md.num_actual_tokens
-    inputs = [random_row_inputs(mode, 0 if r.kind == "pad" else r.num_tokens, **shape, dtype=dtype,
-                                generator=generator) for r in rows]
-    batch = [torch.cat([x[i] for x in inputs]) for i in range(5)]
-    batch = [torch.cat([t, torch.zeros(T - t.shape[0], *t.shape[1:], dtype=t.dtype)]) for t in batch]
-    spec, rest = zip(*(split_tokens(plan, t) for t in batch))
-    spec = None if spec[0] is None else DeltaRuleInputs(*spec)
-    rest = None if rest[0] is None else DeltaRuleInputs(*rest)
-    out = torch.zeros(T, HV, V, dtype=dtype)
-    run_delta_rule(plan, mode, spec, rest, pool, out, **params)
-
-    tol = tolerance(dtype, state_dtype)
-    position = 0
-    for r, x in zip(rows, inputs):
-        n = x[0].shape[0]
-        if r.kind == "pad":
-            continue
-        o, states = oracle_row(mode, *x, reads.get(id(r)), params, ORACLE)
-        assert_close(out[position: position + n], o, tol, f"{r.kind} row output")
-        if r.kind == "verify":
-            for t in range(n):
-                assert_close(pool[r.blocks[t]], states[t], tol, f"verify state column {t}")
-        else:
-            assert_close(pool[r.blocks[0]], states[-1], tol, f"{r.kind} state")
-        if r.checkpoint:
-            offset, block = r.checkpoint
-            assert_close(pool[block], states[offset - 1], tol, "checkpoint state")
-        position += n
-    assert torch.all(out[position:] == 0), "padding tokens get zero output"
-    for block in sorted(untouched):
-        assert torch.isnan(pool[block].float()).all(), f"block {block} was written"
+    reads = fill_reads(rows, pool, generator)
+    per_row, batch = batch_inputs(mode, rows, md.num_actual_tokens, shape, dtype=dtype, generator=generator)
+    out = torch.zeros(md.num_actual_tokens, HV, V, dtype=dtype)
+    run_rows(plan, mode, batch, pool, out, params)
+    check_rows(mode, rows, per_row, reads, out, pool, params, tolerance(dtype, state_dtype))
     return plan
 
 

@@ -5,7 +5,8 @@ and on the GPU, where vLLM is not installed).
 fills them for the batch kinds the plugin serves; test_vllm_layers.py checks the plugin against
 the real builder. ``state_pages`` lays out recurrent states as vLLM does: per block one page
 holding the convolution state first and the recurrent state after it, so the state view has the
-page as its slot stride. ``oracle_row`` is one row's float64 reference.
+page as its slot stride. ``oracle_row`` is one row's float64 reference; ``fill_reads``,
+``batch_inputs``, ``run_rows`` and ``check_rows`` run and check a batch of rows.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from types import SimpleNamespace
 import torch
 
 from cula_serve import cula_gdn, cula_kda
+from cula_serve.integrations.vllm.translate import DeltaRuleInputs, run_delta_rule, split_tokens
+
+from conftest import ORACLE, assert_close
 
 NULL_BLOCK = 0
 
@@ -168,3 +172,60 @@ def oracle_row(mode, q, k, v, g, beta, initial_state, params, oracle):
     o, _ = prefill(*x, initial_state=init, **common)
     states = [prefill(*(t[:, : i + 1] for t in x), initial_state=init, **common)[1][0] for i in range(q.shape[0])]
     return o[0], torch.stack(states)
+
+
+def fill_reads(rows, pool, generator):
+    """Random states in the blocks the batch reads (a verify row reads column num_accepted - 1);
+    returns {row index: that state in float64}."""
+    reads = {}
+    for i, r in enumerate(rows):
+        if r.kind == "pad" or (r.kind == "prefill" and not r.has_initial_state):
+            continue
+        block = r.blocks[r.num_accepted - 1] if r.kind == "verify" else r.blocks[0]
+        pool[block] = (0.5 * torch.randn(pool.shape[1:], generator=generator)).to(pool.dtype).to(pool.device)
+        reads[i] = pool[block].double()
+    return reads
+
+
+def batch_inputs(mode, rows, num_tokens, shape, *, dtype, generator, device="cpu"):
+    """Per-row inputs (``random_row_inputs``) and the packed batch of the five tensors, padded with
+    zero tokens to ``num_tokens``."""
+    per_row = [random_row_inputs(mode, 0 if r.kind == "pad" else r.num_tokens, **shape, dtype=dtype,
+                                 generator=generator, device=device) for r in rows]
+    batch = [torch.cat([x[i] for x in per_row]) for i in range(5)]
+    batch = [torch.cat([t, t.new_zeros(num_tokens - t.shape[0], *t.shape[1:])]) for t in batch]
+    return per_row, batch
+
+
+def run_rows(plan, mode, batch, pool, out, params):
+    """The plugin's path: split the packed batch by the plan and run the delta rule."""
+    spec, rest = zip(*(split_tokens(plan, t) for t in batch))
+    spec = None if spec[0] is None else DeltaRuleInputs(*spec)
+    rest = None if rest[0] is None else DeltaRuleInputs(*rest)
+    run_delta_rule(plan, mode, spec, rest, pool, out, **params)
+
+
+def check_rows(mode, rows, per_row, reads, out, pool, params, tol):
+    """Outputs and written states (verify columns, final states, checkpoints) of every row
+    against the float64 oracle (run where the tensors are); padding tokens zero; blocks no row
+    owns still NaN."""
+    position = 0
+    for i, (r, x) in enumerate(zip(rows, per_row)):
+        if r.kind == "pad":
+            continue
+        n = x[0].shape[0]
+        o, states = oracle_row(mode, *x, reads.get(i), params, ORACLE)
+        assert_close(out[position: position + n], o, tol, f"{r.kind} row output")
+        if r.kind == "verify":
+            for t in range(n):
+                assert_close(pool[r.blocks[t]], states[t], tol, f"verify state column {t}")
+        else:
+            assert_close(pool[r.blocks[0]], states[-1], tol, f"{r.kind} state")
+        if r.checkpoint:
+            offset, block = r.checkpoint
+            assert_close(pool[block], states[offset - 1], tol, "checkpoint state")
+        position += n
+    assert torch.all(out[position:] == 0), "padding tokens get zero output"
+    owned = {b for r in rows if r.kind != "pad" for b in r.blocks} | {r.checkpoint[1] for r in rows if r.checkpoint}
+    for block in sorted(set(range(pool.shape[0])) - owned):
+        assert torch.isnan(pool[block].float()).all(), f"block {block} was written"
