@@ -4,7 +4,8 @@ One process per GPU (NCCL; gloo and the torch backend on a machine without GPUs,
 For each model and sequence length, every rank draws the same inputs on its GPU and runs the
 whole sequence alone once (the 1-GPU reference it checks against; rank 0's run is the timed
 1-GPU baseline); then the ranks run ``cula_*_cp`` on their shares of the tokens together. Reported:
-1-GPU and N-GPU milliseconds (N-GPU = the slowest rank per repetition, median over repetitions),
+1-GPU and N-GPU milliseconds (N-GPU = the slowest rank per repetition, median over repetitions;
+each rank's own median beside it, to show the balance),
 speed-up, the all-gather of the state maps timed alone on the same tensors (communication), and the
 largest relative error of outputs and final state against the 1-GPU run.
 """
@@ -75,17 +76,20 @@ def _run_case(rank, world_size, device, model, T, weights, reps, backend):
                            relative_error(pool, ref_pool) if rank == world_size - 1 else 0.0], device=device)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
 
-    cp_times = []
+    rank_times = []  # per repetition, every rank's milliseconds
     for _ in range(reps):
         dist.barrier()
         elapsed = torch.tensor([time_call(cp_call, device, reps=1, warmup=0)], device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        cp_times.append(float(elapsed))
+        gathered = [torch.empty_like(elapsed) for _ in range(world_size)]
+        dist.all_gather(gathered, elapsed)
+        rank_times.append([float(t) for t in gathered])
     carry = torch.zeros(dims["HV"], dims["K"] + dims["V"], dims["K"], device=device)
     gathered = [torch.empty_like(carry) for _ in range(world_size)]
     comm_ms = time_call(lambda: dist.all_gather(gathered, carry), device, reps=reps, warmup=2)
     return dict(model=model, mode=mode, tokens=T, gpus=world_size, weights=weights, single_ms=single_ms,
-                cp_ms=statistics.median(cp_times), comm_ms=comm_ms, output_error=float(errors[0]),
+                cp_ms=statistics.median(max(times) for times in rank_times),
+                rank_ms=[statistics.median(times[r] for times in rank_times) for r in range(world_size)],
+                comm_ms=comm_ms, output_error=float(errors[0]),
                 state_error=float(errors[1]))
 
 
@@ -114,11 +118,13 @@ def _worker(rank, world_size, init_file, args, results_file):
 
 
 def _table(rows):
-    lines = ["| model | tokens | ranks | 1 rank ms | CP ms | speed-up | all-gather ms (share) | max rel. error |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | tokens | ranks | 1 rank ms | CP ms | speed-up | each rank ms | all-gather ms (share) "
+             "| max rel. error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        each = " / ".join(f"{t:.2f}" for t in r["rank_ms"])
         lines.append(f"| {r['model']} ({r['mode']}) | {r['tokens']} | {r['gpus']} | {r['single_ms']:.2f} | "
-                     f"{r['cp_ms']:.2f} | {r['single_ms'] / r['cp_ms']:.2f}x | {r['comm_ms']:.3f} "
+                     f"{r['cp_ms']:.2f} | {r['single_ms'] / r['cp_ms']:.2f}x | {each} | {r['comm_ms']:.3f} "
                      f"({100 * r['comm_ms'] / r['cp_ms']:.1f}%) | {max(r['output_error'], r['state_error']):.1e} |")
     return "\n".join(lines)
 

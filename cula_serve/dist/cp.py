@@ -20,8 +20,8 @@ continue a sequence begun on earlier ranks, its last may go on to later ones):
 3. One all-gather exchanges each rank's carry (A, D) for its last piece: the widened pass's map
    for a piece spanning the whole rank, (0, final state) for a piece that started here.
 4. Each rank composes the carries of the ranks before it, ``S = S A_j + D_j`` (K-last), and
-   finishes its continuing piece: ``o = o0 + S^T q~``; the final state ``S A + D`` is written to
-   the pool by the rank holding the sequence's last token.
+   finishes its continuing piece: ``o = o0 + S^T q~`` (one pass, ``correct_outputs``); the final
+   state ``S A + D`` is written to the pool by the rank holding the sequence's last token.
 No serial ring: every rank works in parallel, then exchanges one [HV, K, K + V] tensor.
 
 Host work. Planning reads ``cu_seqlens`` (and ``state_indices`` / ``has_initial_state``) on the
@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..kernels.common.affine_output import correct_outputs
 from .plan import RankPlan, split_cu_seqlens_for_sp
 
 
@@ -160,12 +161,8 @@ def context_parallel_prefill(prefill, q, k, v, token_args: tuple, *, cu_seqlens,
         if slots[n] < 0:
             out[:, s:e] = 0
         else:
-            # o = o0 + S^T q~, per head a [L, K] x [K, V] product added to o0. In the outputs' dtype
-            # (float32 accumulation): q~ and o0 already carry its rounding, and bf16 tensor-core
-            # products keep this step a small part of the pass.
-            heads_first = o_widened[0].transpose(0, 1)  # [HV, L, V + K]
-            corrected = torch.baddbmm(heads_first[..., :V], heads_first[..., V:], state.transpose(-1, -2).to(out.dtype))
-            out[0, s:e] = corrected.transpose(0, 1)
+            # o = o0 + S^T q~, in one pass over the widened outputs (kernels/common/affine_output.py)
+            correct_outputs(o_widened[0], state, out[0, s:e])
             if continuing.last:
                 state_pool[slots[n]] = (state @ piece_map + piece_state).to(state_pool.dtype)
     for p in starting:

@@ -235,3 +235,21 @@ def test_cuda_graph_prefill(mode):
     assert torch.equal(out, eager_out)
     assert torch.equal(pool.nan_to_num(), eager_pool.nan_to_num())
     assert (out[1:599] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_context_parallel_output_correction(dtype):
+    """``correct_outputs`` (o = o0 + q~ S over a widened prefill's rows) against float64, into a
+    strided output view, with a ragged last token tile; columns around the view stay untouched."""
+    from cula_serve.kernels.common.affine_output import correct_outputs
+
+    L, HV, K, V = 1000, 6, 128, 64
+    generator = torch.Generator(DEVICE).manual_seed(3)
+    widened = torch.randn(L, HV, V + K, generator=generator, device=DEVICE).to(dtype)
+    state = torch.randn(HV, V, K, generator=generator, device=DEVICE)
+    out_full = torch.full((L, HV, V + 8), float("nan"), dtype=dtype, device=DEVICE)
+    out = correct_outputs(widened, state, out_full[..., :V])
+    w = widened.double()
+    expected = w[..., :V] + torch.einsum("lhk,hvk->lhv", w[..., V:], state.double())
+    assert_close(out.double(), expected, tolerance(dtype, torch.float32))
+    assert torch.isnan(out_full[..., V:]).all()
