@@ -95,13 +95,15 @@ def test_graph_replay_matches_eager_step(model, mtp, backend):
         pool.copy_(saved)
     pools_eager, out_eager = _step(engine, slots, accepted, graph=False)
     assert relative_error(out_graph, out_eager) < 1e-5
+    live = slots.long()
+    # FLA's padding rows all write the scratch slot, in no fixed order: it holds garbage
+    kept = torch.ones(start[0].shape[0], dtype=torch.bool, device=DEVICE)
+    kept[engine.scratch_slot] = False
+    others = kept.clone()
+    others[live] = False
     for after_graph, after_eager, before in zip(pools_graph, pools_eager, start):
-        assert relative_error(after_graph, after_eager) < 1e-5
-        live = slots.long()
+        assert relative_error(after_graph[kept], after_eager[kept]) < 1e-5
         assert not torch.equal(after_graph[live], before[live])  # the step did update the states
-        others = torch.ones(after_graph.shape[0], dtype=torch.bool, device=DEVICE)
-        others[live] = False
-        others[engine.scratch_slot] = False  # where FLA's padding rows write
         assert torch.equal(after_graph[others], before[others])
 
 
@@ -120,7 +122,9 @@ def test_fla_core_agrees_with_cula(model, mtp):
         assert relative_error(b[slots[0].long()], a[slots[0].long()]) < AGREEMENT
     accepted = [2, 3, 1, 3, 1] if mtp == "3" else [1] * 5
     (pools_cula, out_cula), (pools_fla, out_fla) = (_step(e, slots[0], accepted, graph=True) for e in engines)
-    assert relative_error(out_fla, out_cula) < AGREEMENT
+    # the live rows' tokens only: FLA's padding rows run on the scratch slot's garbage state
+    live_rows = len(slots[0]) * engines[0].verify_tokens
+    assert relative_error(out_fla[:live_rows], out_cula[:live_rows]) < AGREEMENT
     for a, b in zip(pools_cula, pools_fla):
         assert relative_error(b[slots[0].long()], a[slots[0].long()]) < AGREEMENT
 
