@@ -11,8 +11,8 @@ import torch
 from cula_serve import dispatch
 from cula_serve.api import _select
 
-# The plugin subclasses vLLM internals (GDN metadata builder, the GDN and KDA layers) and routes
-# through its backend registry; these were read and tested against 0.32, and 0.33 has the same
+# The plugin subclasses vLLM internals (GDN metadata builder, the GDN, KDA and Lightning layers)
+# and routes through its backend registry; these were read and tested against 0.32, and 0.33 has the same
 # hook points. Keep in step with the ``vllm`` extra in pyproject.toml.
 SUPPORTED_VLLM = ((0, 32), (0, 34))  # [lowest, first unsupported) as (major, minor)
 SUPPORTED_VLLM_TEXT = ">=0.32,<0.34"
@@ -21,14 +21,19 @@ SUPPORTED_VLLM_TEXT = ">=0.32,<0.34"
 ROUTED_LAYERS = {
     "gdn": "QwenGatedDeltaNetAttention (Qwen3-Next, Qwen3.5)",
     "kda": "KimiGatedDeltaNetAttention (Kimi-Linear)",
+    "lightning": "BailingMoELinearAttention (Ling / Ring 2.5, BailingMoeV2_5ForCausalLM), "
+                 "MiniMaxText01LinearAttention (MiniMax Lightning, out-of-tree models)",
 }
+
+# Architectures whose Lightning layers are BailingMoELinearAttention; vLLM's model makes layer i
+# a Lightning layer when (i + 1) % layer_group_size != 0.
+BAILING_LIGHTNING_ARCHITECTURES = ("BailingMoeV2_5ForCausalLM",)
 
 # Hybrid models whose linear-attention layers are their own classes, which the plugin does not
 # route yet: refused by name rather than silently left on vLLM's kernels.
 UNROUTED_ARCHITECTURES = {
     "OlmoHybridForCausalLM": "OLMo-hybrid GDN",
     "Glm5NextForCausalLM": "GLM-5-Next KDA",
-    "BailingMoeV2_5ForCausalLM": "Bailing Lightning",
 }
 
 
@@ -57,11 +62,13 @@ def check_vllm_version(version: str) -> None:
         raise UnsupportedVllmVersionError(reason)
 
 
-def linear_attention_layers(hf_text_config) -> dict[str, int]:
-    """The routed linear-attention layers a Hugging Face text config declares: {family: count}.
+def linear_attention_layers(hf_text_config, architectures=()) -> dict[str, int]:
+    """The routed linear-attention layers a model declares: {family: count}.
 
     GDN models (Qwen3-Next, Qwen3.5) list ``layer_types`` with "linear_attention" entries;
-    Kimi-Linear names its KDA layers in ``linear_attn_config["kda_layers"]``.
+    Kimi-Linear names its KDA layers in ``linear_attn_config["kda_layers"]``; Bailing 2.5
+    (``architectures``) interleaves Lightning layers by ``layer_group_size`` (vLLM's default 1:
+    none); MiniMax-style configs mark Lightning layers 0 in ``attn_type_list``.
     """
     found = {}
     layer_types = getattr(hf_text_config, "layer_types", None) or []
@@ -71,6 +78,15 @@ def linear_attention_layers(hf_text_config) -> dict[str, int]:
     linear_attn_config = getattr(hf_text_config, "linear_attn_config", None)
     if isinstance(linear_attn_config, dict) and linear_attn_config.get("kda_layers"):
         found["kda"] = len(linear_attn_config["kda_layers"])
+    lightning = 0
+    if any(a in BAILING_LIGHTNING_ARCHITECTURES for a in architectures or ()):
+        group = getattr(hf_text_config, "layer_group_size", 1)
+        if group > 0:
+            lightning = sum(1 for i in range(hf_text_config.num_hidden_layers) if (i + 1) % group)
+    else:
+        lightning = sum(1 for t in getattr(hf_text_config, "attn_type_list", None) or [] if t == 0)
+    if lightning:
+        found["lightning"] = lightning
     return found
 
 
@@ -80,15 +96,14 @@ def check_model_has_linear_attention(hf_text_config, architectures) -> dict[str,
     if unrouted:
         raise ValueError(f"--attention-backend cula: the {unrouted[0]} layers of {list(architectures)} are not "
                          f"routed by cula-serve's vLLM plugin yet; run this model without the flag")
-    found = linear_attention_layers(hf_text_config)
+    found = linear_attention_layers(hf_text_config, architectures)
     if found:
         return found
     routed = "; ".join(f"{family.upper()}: {where}" for family, where in ROUTED_LAYERS.items())
     raise ValueError(
         f"--attention-backend cula: the model (architectures {list(architectures or [])}) has no "
         f"linear-attention layer that cula-serve serves in vLLM ({routed}); its full-attention "
-        f"layers would run on vLLM's own backend anyway, so drop the flag. Lightning (MiniMax, "
-        f"Bailing) layers are not routed by the vLLM plugin yet.")
+        f"layers would run on vLLM's own backend anyway, so drop the flag.")
 
 
 def check_layer_supported(mode: str, *, layer: str, head_k_dim: int, head_v_dim: int,
@@ -103,9 +118,11 @@ def check_layer_supported(mode: str, *, layer: str, head_k_dim: int, head_v_dim:
     """
     device = torch.device(device)
     if state_dtype not in (torch.float32, torch.bfloat16):
+        # vLLM sizes Lightning states by --mamba-cache-dtype, delta-rule states by --mamba-ssm-cache-dtype
+        flag = "--mamba-cache-dtype" if mode == "lightning" else "--mamba-ssm-cache-dtype"
         raise ValueError(
             f"{layer}: cula-serve keeps recurrent states in float32 or bfloat16, but vLLM allocated "
-            f"{state_dtype} (set --mamba-ssm-cache-dtype float32, or bfloat16)")
+            f"{state_dtype} (set {flag} float32, or bfloat16)")
     chosen = {}
     for operation in ("prefill", "decode", "verify"):
         # On a GPU the torch reference is not a serving backend: look only at the others.

@@ -1,9 +1,12 @@
-"""vLLM's GDN and KDA layers with their recurrence on cula-serve.
+"""vLLM's GDN, KDA and Lightning layers with their recurrence on cula-serve.
 
-``CulaQwenGatedDeltaNetAttention`` and ``CulaKimiGatedDeltaNetAttention`` replace vLLM's
-``QwenGatedDeltaNetAttention`` and ``KimiGatedDeltaNetAttention`` through vLLM's out-of-tree
-layer registry, so every model that builds those layers gets them. A layer built under a config
-that does not select ``--attention-backend cula`` is vLLM's layer, unchanged.
+``CulaQwenGatedDeltaNetAttention``, ``CulaKimiGatedDeltaNetAttention``,
+``CulaBailingMoELinearAttention`` and ``CulaMiniMaxText01LinearAttention`` replace vLLM's
+``QwenGatedDeltaNetAttention``, ``KimiGatedDeltaNetAttention``, ``BailingMoELinearAttention``
+and ``MiniMaxText01LinearAttention`` through vLLM's out-of-tree layer registry, so every model
+that builds those layers gets them. A layer built under a config that does not select
+``--attention-backend cula`` is vLLM's layer, unchanged. Under tensor parallelism every layer
+serves its rank's heads only (vLLM's local head counts, state pages and slope rates).
 
 Under ``cula`` a layer keeps vLLM's projections, causal convolution kernels (``causal_conv1d_fn``
 for prefill, ``causal_conv1d_update`` for decode and verify, on vLLM's convolution states) and
@@ -13,9 +16,21 @@ vLLM's default splitting ops, so PIECEWISE graphs break around it and FULL graph
 vLLM's fused CUDA MTP path, which would bypass that op, is turned off. The KDA layer keeps its
 ``_forward`` an eager break of vLLM's breakable CUDA graphs, as in vLLM.
 
+The Lightning layers keep vLLM's ``_forward`` (projections, activation, q/k norms, rotary
+embedding, output gate, norm and projection, inside vLLM's custom op ``vllm::linear_attention``,
+a default splitting op) and take over ``_decode_infer``, which vLLM's forward calls with the
+whole batch's q, k, v under the plugin's metadata (``metadata.CulaLightningAttentionMetadata``);
+it runs the batch's plan through ``translate.run_lightning``. The decay is minus vLLM's slope
+rate of the rank's heads, and q arrives scaled as vLLM's kernels take it, so cula-serve's scale
+is 1. vLLM's Lightning state pages ``[num_blocks, H, D, D]`` hold cula-serve's K-last states
+(``translate`` says why that is sound): prefill, decode and verify all run on cula-serve, so do
+not hand a cula-written state to vLLM's own Lightning kernels (a KV-transfer connector between
+a cula and a non-cula instance would).
+
 Prefix caching ('align' mode): the layer declares prefill checkpoints aligned to 64 tokens, and
-writes the recurrent state (cula-serve ``checkpoint_indices``) and the convolution state at each
-checkpoint vLLM plans, so the scheduler need not split prefills at block boundaries.
+writes the recurrent state (cula-serve ``checkpoint_indices``) and, for GDN and KDA, the
+convolution state at each checkpoint vLLM plans, so the scheduler need not split prefills at
+block boundaries.
 
 Before CUDA-graph capture, the profile run (no metadata) warms cula-serve's decode, verify and
 prefill kernels for the batch sizes vLLM will capture.
@@ -31,6 +46,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.linear.bailing_linear_attn import BailingMoELinearAttention
+from vllm.model_executor.layers.mamba.linear.minimax_linear_attn import MiniMaxText01LinearAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops import causal_conv1d as conv_ops
 from vllm.v1.kv_cache_interface import MambaSpec
@@ -39,9 +56,10 @@ import cula_serve
 from cula_serve.api import CHECKPOINT_ALIGNMENT
 
 from .compat import check_layer_supported
-from .metadata import CulaGDNAttentionBackend
+from .metadata import CulaGDNAttentionBackend, CulaLightningAttentionBackend
 from .plugin import is_cula_selected
-from .translate import DeltaRuleInputs, plan_linear_attention, run_delta_rule, split_tokens, write_conv_checkpoints
+from .translate import (PREFILL, DeltaRuleInputs, LightningInputs, plan_linear_attention, run_delta_rule,
+                        run_lightning, split_tokens, write_conv_checkpoints)
 
 
 @dataclass(frozen=True)
@@ -58,16 +76,17 @@ class CulaLayerConfig:
 
 
 def _cula_config(layer, vllm_config, mode: str, *, num_qk_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int) -> CulaLayerConfig | None:
+                 head_v_dim: int, input_dtype: torch.dtype | None = None) -> CulaLayerConfig | None:
     """The layer's cula-serve config when ``cula`` is selected (checked: raises ValueError naming
-    the layer if cula-serve cannot serve it), else None."""
+    the layer if cula-serve cannot serve it), else None. ``input_dtype``: the dtype of the q, k, v
+    the layer hands cula-serve (default: the model's dtype)."""
     if not is_cula_selected(vllm_config):
         return None
     additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     backend = additional.get("cula_backend")
     device = vllm_config.device_config.device or torch.device(vllm_config.device_config.device_type)
     check_layer_supported(mode, layer=f"{type(layer).__name__} {layer.prefix}", head_k_dim=head_k_dim,
-                          head_v_dim=head_v_dim, input_dtype=vllm_config.model_config.dtype,
+                          head_v_dim=head_v_dim, input_dtype=input_dtype or vllm_config.model_config.dtype,
                           state_dtype=layer.get_state_dtype()[-1], device=device, backend=backend)
     return CulaLayerConfig(mode, num_qk_heads, num_v_heads, head_k_dim, head_v_dim, backend)
 
@@ -135,24 +154,27 @@ def _warmup_sizes(sizes) -> list[int]:
     return sorted(kinds.values())
 
 
-def _warmup(layer, cfg: CulaLayerConfig, device: torch.device, dtype: torch.dtype, **gate) -> None:
+def _warmup(layer, cfg: CulaLayerConfig, device: torch.device, dtype: torch.dtype, options: dict) -> None:
     """Compile cula-serve's kernels for this layer's shapes before vLLM captures CUDA graphs:
     decode for vLLM's graph batch sizes, verify (slots protocol) for the verify batch sizes they
-    hold, and one prefill. Once per distinct configuration; nothing to compile on the CPU."""
+    hold, and one prefill. ``dtype``: the q, k, v dtype; ``options``: the keyword arguments the
+    layer's calls pass (gate parameters or decay, scale, backend). Once per distinct
+    configuration; nothing to compile on the CPU."""
     if device.type != "cuda":
         return
     vllm_config = get_current_vllm_config()
     state_dtype = layer.get_state_dtype()[-1]
-    key = (cfg, str(device), dtype, state_dtype, gate.get("lower_bound"), tuple(gate["dt_bias"].shape))
+    # Triton compiles per dtype and shape, so tensors key by those.
+    options_key = tuple(sorted((name, (value.dtype, tuple(value.shape)) if isinstance(value, torch.Tensor) else value)
+                               for name, value in options.items()))
+    key = (cfg, str(device), dtype, state_dtype, options_key)
     if key in _warmed_up:
         return
     _warmed_up.add(key)
-    num_spec = layer.num_spec
+    num_spec = vllm_config.num_speculative_tokens
     tokens = 1 + num_spec
     capture = vllm_config.compilation_config.cudagraph_capture_sizes or [1]
     shape = dict(H=cfg.num_qk_heads, HV=cfg.num_v_heads, K=cfg.head_k_dim, V=cfg.head_v_dim)
-    options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                   backend=cfg.backend, **gate)
     if num_spec:
         cula_serve.warmup(cfg.mode, **shape, batch_sizes=_warmup_sizes([max(1, s // tokens) for s in capture]),
                           verify_tokens=(tokens,), protocols=("slots",), state_dtype=state_dtype, dtype=dtype,
@@ -162,20 +184,29 @@ def _warmup(layer, cfg: CulaLayerConfig, device: torch.device, dtype: torch.dtyp
     T = CHECKPOINT_ALIGNMENT
     q = torch.zeros(T, cfg.num_qk_heads, cfg.head_k_dim, dtype=dtype, device=device)
     v = torch.zeros(T, cfg.num_v_heads, cfg.head_v_dim, dtype=dtype, device=device)
-    g_shape = (T, cfg.num_v_heads) if cfg.mode == "gdn" else (T, cfg.num_v_heads, cfg.head_k_dim)
+    gates = {}
+    if cfg.mode != "lightning":
+        g_shape = (T, cfg.num_v_heads) if cfg.mode == "gdn" else (T, cfg.num_v_heads, cfg.head_k_dim)
+        gates = dict(g=torch.zeros(g_shape, device=device), beta=torch.zeros(T, cfg.num_v_heads, device=device))
     pool = torch.zeros(1, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, dtype=state_dtype, device=device)
-    prefill = cula_serve.cula_gdn if cfg.mode == "gdn" else cula_serve.cula_kda
-    prefill(q, q, v, torch.zeros(g_shape, device=device), torch.zeros(T, cfg.num_v_heads, device=device),
-            cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device), state_pool=pool,
-            state_indices=torch.zeros(1, dtype=torch.int32, device=device), **options)
+    PREFILL[cfg.mode](q, q, v, **gates, cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device),
+                      state_pool=pool, state_indices=torch.zeros(1, dtype=torch.int32, device=device), **options)
+
+
+def _delta_rule_options(cfg: CulaLayerConfig, **gate) -> dict:
+    """The options of a GDN / KDA layer's cula-serve calls, as ``translate.run_delta_rule`` passes them."""
+    return dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                backend=cfg.backend, **gate)
 
 
 class _CulaSelected:
     """What a layer reports to vLLM's runner once ``cula`` is selected (``self.cula`` set): the
     cula metadata backend and, in prefix-caching 'align' mode, the checkpoint spec."""
 
+    cula_backend = CulaGDNAttentionBackend
+
     def get_attn_backend(self):
-        return CulaGDNAttentionBackend if self.cula is not None else super().get_attn_backend()
+        return self.cula_backend if self.cula is not None else super().get_attn_backend()
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
@@ -209,7 +240,8 @@ class CulaQwenGatedDeltaNetAttention(_CulaSelected, QwenGatedDeltaNetAttention):
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
         md = _batch_metadata(self.prefix)
         if md is None:
-            _warmup(self, self.cula, mixed_qkv.device, mixed_qkv.dtype, A_log=self.A_log, dt_bias=self.dt_bias)
+            _warmup(self, self.cula, mixed_qkv.device, mixed_qkv.dtype,
+                    _delta_rule_options(self.cula, A_log=self.A_log, dt_bias=self.dt_bias))
             return
         plan = _plan(md)
         conv_state, ssm_state = _conv_states(self), self.kv_cache[1]
@@ -262,7 +294,7 @@ class CulaKimiGatedDeltaNetAttention(_CulaSelected, KimiGatedDeltaNetAttention):
         md = _batch_metadata(self.prefix)
         gate = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound)
         if md is None:
-            _warmup(self, self.cula, mixed_qkv.device, mixed_qkv.dtype, **gate)
+            _warmup(self, self.cula, mixed_qkv.device, mixed_qkv.dtype, _delta_rule_options(self.cula, **gate))
             return
         plan = _plan(md)
         conv_state, recurrent_state = _conv_states(self), self.kv_cache[1]
@@ -292,9 +324,69 @@ class CulaKimiGatedDeltaNetAttention(_CulaSelected, KimiGatedDeltaNetAttention):
         core_attn_out.copy_(self.o_norm(core_attn_out, g2))
 
 
+class _CulaLightning(_CulaSelected):
+    """The Lightning part of the cula layers below: vLLM's ``_forward`` runs as it is and hands
+    the batch's q, k, v ([T, H, D] float32, q already scaled) to ``_decode_infer``, which runs the
+    plan of ``metadata.CulaLightningAttentionMetadata`` on the layer's state pages."""
+
+    cula_backend = CulaLightningAttentionBackend
+
+    def _init_cula(self, vllm_config) -> None:
+        self.cula = _cula_config(self, vllm_config, "lightning", num_qk_heads=self.tp_heads,
+                                 num_v_heads=self.tp_heads, head_k_dim=self.head_dim, head_v_dim=self.head_dim,
+                                 input_dtype=torch.float32)
+        # vLLM's kernels decay the state by exp(-slope) per step: cula-serve's log decay is -slope,
+        # for this rank's heads (tp_slope, [H / tp, 1, 1], on the device the model is built on).
+        self.cula_decay = None if self.cula is None else -self.tp_slope.reshape(-1).to(torch.float32)
+
+    def _cula_options(self) -> dict:
+        return dict(decay=self.cula_decay, scale=1.0, backend=self.cula.backend)
+
+    def _forward(self, hidden_states, output, positions):
+        if self.cula is not None and _batch_metadata(self.prefix) is None:
+            _warmup(self, self.cula, hidden_states.device, torch.float32, self._cula_options())
+        return super()._forward(hidden_states, output, positions)
+
+    def _decode_infer(self, q, k, v, kv_cache, state_indices_tensor, attn_metadata):
+        """q, k, v [T, H, D] (every token of the batch); kv_cache: this layer's state pages
+        [num_blocks, H, D, D]. Returns the attention output [T, H * D] in q's dtype, zero for
+        padding tokens."""
+        if self.cula is None:
+            return super()._decode_infer(q, k, v, kv_cache, state_indices_tensor, attn_metadata)
+        plan = getattr(attn_metadata, "cula_plan", None)
+        if plan is None:
+            raise RuntimeError(f"{type(self).__name__} {self.prefix}: expected the cula plugin's Lightning metadata "
+                               f"(from {CulaLightningAttentionBackend.get_name()}), got {type(attn_metadata).__name__}")
+        spec, rest = (None if part[0] is None else LightningInputs(*part)
+                      for part in zip(*(split_tokens(plan, x) for x in (q, k, v))))
+        hidden = q.new_zeros(plan.num_actual_tokens, self.tp_heads, self.head_dim)
+        run_lightning(plan, spec, rest, kv_cache, hidden, **self._cula_options())
+        return hidden.flatten(1)
+
+
+class CulaBailingMoELinearAttention(_CulaLightning, BailingMoELinearAttention):
+    """vLLM's Bailing Lightning layer (Ling / Ring 2.5, ``BailingMoeV2_5ForCausalLM``); its
+    recurrence on cula-serve under ``cula``."""
+
+    def __init__(self, config, vllm_config, prefix: str = "linear_attn"):
+        super().__init__(config, vllm_config, prefix)
+        self._init_cula(vllm_config)
+
+
+class CulaMiniMaxText01LinearAttention(_CulaLightning, MiniMaxText01LinearAttention):
+    """vLLM's MiniMax Lightning layer (no in-tree model uses it since vLLM 0.23; out-of-tree
+    models may); its recurrence on cula-serve under ``cula``."""
+
+    def __init__(self, config, vllm_config, prefix: str = "linear_attn"):
+        super().__init__(config, vllm_config, prefix)
+        self._init_cula(vllm_config)
+
+
 LAYERS = {
     "QwenGatedDeltaNetAttention": CulaQwenGatedDeltaNetAttention,
     "KimiGatedDeltaNetAttention": CulaKimiGatedDeltaNetAttention,
+    "BailingMoELinearAttention": CulaBailingMoELinearAttention,
+    "MiniMaxText01LinearAttention": CulaMiniMaxText01LinearAttention,
 }
 
 

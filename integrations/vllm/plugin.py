@@ -12,8 +12,10 @@ It makes ``--attention-backend cula`` mean "linear-attention layers on cula-serv
    layers cula serves). ``CULA`` itself names ``CulaFullAttentionGuard``, which refuses every
    configuration, so if that routing were ever bypassed vLLM would fail loudly rather than run
    full attention on something else.
-3. The GDN and KDA layers are replaced (vLLM's out-of-tree layer registry) by subclasses that run
-   on cula-serve when ``CULA`` is selected and are vLLM's own layers otherwise.
+3. The GDN, KDA and Lightning layers are replaced (vLLM's out-of-tree layer registry) by
+   subclasses that run on cula-serve when ``CULA`` is selected and are vLLM's own layers
+   otherwise. Their metadata backends come from the layers (``get_attn_backend``), so vLLM's
+   mamba-backend registry is left as it is.
 
 With a vLLM outside the supported range (``compat.SUPPORTED_VLLM_TEXT``) only the name is
 registered, and resolving it raises the version error.
@@ -35,7 +37,7 @@ _registered = False
 
 
 def register() -> None:
-    """Register the ``cula`` attention backend name and the cula-serve GDN / KDA layers.
+    """Register the ``cula`` attention backend name and the cula-serve GDN / KDA / Lightning layers.
     Safe to call more than once (vLLM does, per process)."""
     global _registered
     if _registered:

@@ -1,13 +1,19 @@
 """vLLM's linear-attention batch metadata translated into cula-serve calls.
 
-This module does not import vLLM: it reads vLLM's ``GDNAttentionMetadata`` (the metadata of the
-GDN and KDA layers) by attribute, so it runs, and is tested, where vLLM is not installed.
+This module does not import vLLM: it reads vLLM's ``GDNAttentionMetadata`` by attribute, so it
+runs, and is tested, where vLLM is not installed. That metadata describes the batches of every
+layer the plugin serves: vLLM's GDN and KDA layers have it natively, and the plugin gives it to
+the Lightning layers too (``metadata.CulaLightningAttentionMetadataBuilder`` says why).
 
-vLLM conventions it translates (read from vLLM 0.32's ``gdn_attn.py`` and GDN/KDA layers):
+vLLM conventions it translates (read from vLLM 0.32's ``gdn_attn.py`` and GDN/KDA/Lightning layers):
 
-- State pages. Each layer's recurrent state is ``[num_blocks, HV, V, K]`` (K-last, local heads
-  under tensor parallelism), a view into the layer's pages: the slot stride is the page size, not
-  ``HV * V * K``. cula-serve takes that view as its ``state_pool`` directly (no copy).
+- State pages. Each layer's recurrent state is a view into the layer's pages, local heads under
+  tensor parallelism: the slot stride is the page size, not ``HV * V * K``. cula-serve takes that
+  view as its ``state_pool`` directly (no copy). GDN and KDA states are ``[num_blocks, HV, V, K]``
+  (K-last, cula-serve's layout). Lightning states are ``[num_blocks, H, D, D]``, which vLLM's own
+  Lightning kernels index K-first; with K == V the shape is the same, and under the plugin only
+  cula-serve reads or writes them (prefill, decode and verify all run here, and vLLM itself only
+  zeroes or copies whole states), so the same memory simply holds cula-serve's K-last states.
 - Null block. Block 0 is vLLM's null block: padding rows of a batch (CUDA-graph padding, rows of
   other kinds) point at it. cula-serve marks padding with a negative slot, so every index is
   translated here, outside the kernels: ``idx <= 0 -> -1``.
@@ -23,10 +29,11 @@ vLLM conventions it translates (read from vLLM 0.32's ``gdn_attn.py`` and GDN/KD
   that is cula-serve's ``checkpoint_every`` / ``checkpoint_indices``.
 
 ``plan_linear_attention`` turns one batch's metadata into a ``LinearAttentionPlan`` (once per
-batch, in the metadata builder); ``run_delta_rule`` runs a layer's post-convolution inputs
-through cula-serve according to that plan. For CUDA graphs the plan of a decode-only or uniform
-verify batch reads only tensors whose addresses are fixed (``*_slots_out`` buffers the builder
-owns, vLLM's own persistent buffers), and ``run_delta_rule`` then synchronises nothing.
+batch, in the metadata builder); ``run_delta_rule`` (GDN, KDA: post-convolution inputs) and
+``run_lightning`` (q, k, v) run a layer's batch through cula-serve according to that plan. For
+CUDA graphs the plan of a decode-only or uniform verify batch reads only tensors whose addresses
+are fixed (``*_slots_out`` buffers the builder owns, vLLM's own persistent buffers), and the
+runs then synchronise nothing.
 """
 from __future__ import annotations
 
@@ -35,10 +42,11 @@ from typing import NamedTuple
 
 import torch
 
-from cula_serve.api import CHECKPOINT_ALIGNMENT, cula_decode, cula_gdn, cula_kda, cula_verify
+from cula_serve.api import CHECKPOINT_ALIGNMENT, cula_decode, cula_gdn, cula_kda, cula_lightning, cula_verify
 
 NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID
-MODES = ("gdn", "kda")
+MODES = ("gdn", "kda")  # the delta-rule families (run_delta_rule)
+PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
 
 
 def null_block_to_padding(state_indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,6 +263,22 @@ class DeltaRuleInputs(NamedTuple):
     g: torch.Tensor
     beta: torch.Tensor
 
+    def gates(self) -> dict:
+        return dict(g=self.g, beta=self.beta)
+
+
+class LightningInputs(NamedTuple):
+    """Inputs of a Lightning layer, token-major, in vLLM's token order: q, k [n, H, K], v [n, H, V]
+    (after vLLM's projections, activation, norms and rotary embedding; float32 in vLLM's layers).
+    The decay is per head, not per token, so it is an option of ``run_lightning``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def gates(self) -> dict:
+        return {}
+
 
 def split_tokens(plan: LinearAttentionPlan, x: torch.Tensor):
     """(verify tokens, other tokens) of a token-major tensor in batch order; None for an absent part."""
@@ -290,6 +314,29 @@ def run_delta_rule(plan: LinearAttentionPlan, mode: str, spec: DeltaRuleInputs |
         options["lower_bound"] = lower_bound
     elif lower_bound is not None:
         raise ValueError("lower_bound: the safe gate is a KDA option")
+    _run(plan, mode, spec, non_spec, state_pool, out, options)
+
+
+def run_lightning(plan: LinearAttentionPlan, spec: LightningInputs | None, non_spec: LightningInputs | None,
+                  state_pool: torch.Tensor, out: torch.Tensor, *, decay: torch.Tensor, scale: float | None = None,
+                  backend: str | None = None) -> None:
+    """Run one Lightning layer's batch through cula-serve: ``S = exp(decay[h]) S + k v^T``,
+    ``o = scale * S^T q``.
+
+    spec / non_spec: the verify tokens and the other tokens (``split_tokens``), None where absent.
+    state_pool: the layer's states, vLLM's [num_blocks, H, D, D] view (float32 or bfloat16) holding
+        cula-serve's K-last states (module docstring), read and written in place.
+    out: [>= num_actual_tokens, H, D] in v's dtype, batch order, written as for ``run_delta_rule``.
+    decay: float32 [H], the per-head log decay (<= 0): minus vLLM's slope rate of the layer's heads.
+    scale: None means K ** -0.5; vLLM's Lightning layers scale q themselves (or not at all), so
+        they pass 1.0.
+    """
+    _run(plan, "lightning", spec, non_spec, state_pool, out, dict(decay=decay, scale=scale, backend=backend))
+
+
+def _run(plan: LinearAttentionPlan, mode: str, spec, non_spec, state_pool, out, options) -> None:
+    """The cula-serve calls of one layer's batch: verify steps, then decodes and prefills.
+    ``options``: the keyword arguments every call of ``mode`` takes (gate parameters or decay)."""
     mixed = plan.spec_token_index is not None
     o_spec = o_non_spec = None
     if plan.verify:
@@ -308,35 +355,39 @@ def run_delta_rule(plan: LinearAttentionPlan, mode: str, spec: DeltaRuleInputs |
         o_non_spec = out.new_empty(non_spec.v.shape) if mixed else out[: non_spec.v.shape[0]]
         D = plan.num_decode_tokens
         if plan.decode is not None:
-            part = DeltaRuleInputs(*(x[:D, None] for x in non_spec))
-            cula_decode(part.q, part.k, part.v, state_pool, mode=mode, g=part.g, beta=part.beta,
+            part = _map(non_spec, lambda x: x[:D, None])
+            cula_decode(part.q, part.k, part.v, state_pool, mode=mode, **part.gates(),
                         state_indices=plan.decode.slots, out=o_non_spec[:D, None], **options)
         if plan.prefill is not None:
             step = plan.prefill
-            part = DeltaRuleInputs(*(x[D: D + step.num_tokens] for x in non_spec))
-            prefill = cula_gdn if mode == "gdn" else cula_kda
+            part = _map(non_spec, lambda x: x[D: D + step.num_tokens])
             checkpoints = {}
             if step.checkpoint_slots is not None:
                 checkpoints = dict(checkpoint_every=CHECKPOINT_ALIGNMENT, checkpoint_indices=step.checkpoint_slots)
-            prefill(part.q, part.k, part.v, part.g, part.beta, cu_seqlens=step.cu_seqlens, state_pool=state_pool,
-                    state_indices=step.slots, has_initial_state=step.has_initial_state,
-                    out=o_non_spec[D: D + step.num_tokens], **checkpoints, **options)
+            PREFILL[mode](part.q, part.k, part.v, **part.gates(), cu_seqlens=step.cu_seqlens, state_pool=state_pool,
+                          state_indices=step.slots, has_initial_state=step.has_initial_state,
+                          out=o_non_spec[D: D + step.num_tokens], **checkpoints, **options)
     if mixed:
         out.index_copy_(0, plan.spec_token_index, o_spec)
         out.index_copy_(0, plan.non_spec_token_index, o_non_spec)
 
 
-def _verify(step: VerifyStep, mode, spec: DeltaRuleInputs, state_pool, out, options):
+def _map(inputs, fn):
+    """The same inputs tuple with ``fn`` applied to each of its per-token tensors."""
+    return type(inputs)(*(fn(x) for x in inputs))
+
+
+def _verify(step: VerifyStep, mode, spec, state_pool, out, options):
     N, T = step.slots.shape[0], step.num_tokens
     verify = dict(mode=mode, state_indices=step.slots, protocol="slots",
                   num_accepted_tokens=step.num_accepted_tokens, **options)
     if step.token_index is None:
         if spec.v.shape[0] < N * T:
             raise ValueError(f"spec: {N} verify rows of {T} tokens need {N * T} tokens, got {spec.v.shape[0]}")
-        rows = DeltaRuleInputs(*(x[: N * T].unflatten(0, (N, T)) for x in spec))
-        cula_verify(rows.q, rows.k, rows.v, state_pool, g=rows.g, beta=rows.beta,
-                    out=out[: N * T].unflatten(0, (N, T)), **verify)
+        rows = _map(spec, lambda x: x[: N * T].unflatten(0, (N, T)))
+        cula_verify(rows.q, rows.k, rows.v, state_pool, **rows.gates(), out=out[: N * T].unflatten(0, (N, T)),
+                    **verify)
         return
-    rows = DeltaRuleInputs(*(x.index_select(0, step.token_index).unflatten(0, (N, T)) for x in spec))
-    o, _ = cula_verify(rows.q, rows.k, rows.v, state_pool, g=rows.g, beta=rows.beta, **verify)
+    rows = _map(spec, lambda x: x.index_select(0, step.token_index).unflatten(0, (N, T)))
+    o, _ = cula_verify(rows.q, rows.k, rows.v, state_pool, **rows.gates(), **verify)
     out.index_copy_(0, step.token_index, o.flatten(0, 1))

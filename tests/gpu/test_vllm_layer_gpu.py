@@ -1,10 +1,12 @@
 """The vLLM plugin's layer-level path on a GPU, without vLLM: vLLM-shaped batch metadata
-(tests/plugin_vllm/vllm_shaped.py, the fields vLLM's GDN builder fills) translated by
-``cula_serve.integrations.vllm.translate`` into cula-serve calls on the GPU's kernels, over state
-pages laid out as vLLM lays them out (page-strided [num_blocks, HV, V, K] views), at the model
-shapes of DESIGN section 1, against the float64 oracle; and the decode-only and uniform-verify
-batches that vLLM replays as FULL CUDA graphs, captured once and replayed with new slots,
-accepted counts and inputs written into the same buffers.
+(tests/plugin_vllm/vllm_shaped.py, the fields vLLM's GDN builder fills, which the plugin plans
+GDN, KDA and Lightning layers from) translated by ``cula_serve.integrations.vllm.translate`` into
+cula-serve calls on the GPU's kernels, over state pages laid out as vLLM lays them out
+(page-strided [num_blocks, HV, V, K] views; for Lightning vLLM's [num_blocks, H, D, D] pages
+holding K-last states), at the model shapes of DESIGN section 1 (Lightning: 64 heads x 128, with
+the float32 q, k, v vLLM's Lightning layers hand over), against the float64 oracle; and the
+decode-only and uniform-verify batches that vLLM replays as FULL CUDA graphs, captured once and
+replayed with new slots, accepted counts and inputs written into the same buffers.
 
 Run with ``pytest -m gpu tests/gpu/test_vllm_layer_gpu.py`` (vLLM need not be installed).
 """
@@ -30,17 +32,25 @@ from vllm_shaped import (Row, batch_inputs, batch_metadata, check_rows, fill_rea
                          run_rows, state_pages)
 
 DEVICE = torch.device("cuda")
-MODES = ["gdn", "kda"]
+MODES = ["gdn", "kda", "lightning"]
+# The q, k, v dtype each vLLM layer hands cula-serve: the model's (bf16) for GDN / KDA; vLLM's
+# Lightning layers compute q, k, v in float32.
+INPUT_DTYPE = {"gdn": torch.bfloat16, "kda": torch.bfloat16, "lightning": torch.float32}
 NUM_BLOCKS = 40
 
 
 def _batch_inputs(mode, rows, num_tokens, generator):
-    return batch_inputs(mode, rows, num_tokens, MODE_SHAPES[mode], dtype=torch.bfloat16, generator=generator,
+    return batch_inputs(mode, rows, num_tokens, MODE_SHAPES[mode], dtype=INPUT_DTYPE[mode], generator=generator,
                         device=DEVICE)
 
 
+def _out(mode, num_tokens):
+    shape = MODE_SHAPES[mode]
+    return torch.zeros(num_tokens, shape["HV"], shape["V"], dtype=INPUT_DTYPE[mode], device=DEVICE)
+
+
 def _check(mode, rows, per_row, reads, out, pool, params, state_dtype):
-    check_rows(mode, rows, per_row, reads, out, pool, params, tolerance(torch.bfloat16, state_dtype))
+    check_rows(mode, rows, per_row, reads, out, pool, params, tolerance(INPUT_DTYPE[mode], state_dtype))
 
 
 BATCHES = {
@@ -72,7 +82,7 @@ def test_vllm_shaped_batch(mode, batch, state_dtype):
                              lower_bound=-5.0 if mode == "kda" else None)
     reads = fill_reads(rows, pool, generator)
     per_row, inputs = _batch_inputs(mode, rows, md.num_actual_tokens, generator)
-    out = torch.zeros(md.num_actual_tokens, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
+    out = _out(mode, md.num_actual_tokens)
     run_rows(plan, mode, inputs, pool, out, params)
     torch.cuda.synchronize()
     _check(mode, rows, per_row, reads, out, pool, params, state_dtype)
@@ -110,7 +120,7 @@ def test_full_cuda_graph_replay(mode, kind):
     slots_out = torch.full((8,) if kind == "decode" else (8, 1 + num_spec), -1, dtype=torch.int32, device=DEVICE)
     vllm_indices = torch.zeros_like(slots_out)
     vllm_accepted = torch.ones(8, dtype=torch.int32, device=DEVICE)
-    out = torch.zeros(num_tokens, HV, V, dtype=torch.bfloat16, device=DEVICE)
+    out = _out(mode, num_tokens)
 
     def stage(rows):
         """vLLM's builder for a FULL-graph batch: copy into the persistent buffers, plan."""

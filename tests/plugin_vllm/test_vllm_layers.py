@@ -14,8 +14,6 @@ convolution written out here, then cula-serve's float64 recurrence (tests/confte
 Outputs and every state vLLM would read next are compared with DESIGN section 7's tolerances;
 blocks no request owns (the null block 0 among them) must stay NaN.
 """
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
@@ -45,18 +43,8 @@ class PassThroughNorm(torch.nn.Module):
         return x
 
 
-@dataclass
-class Request:
-    """One request's blocks and the float64 inputs of its tokens: ``committed`` are accepted,
-    ``pending`` are the last verify's tokens, of which the next step accepts a prefix."""
-
-    blocks: list
-    committed: list = field(default_factory=list)
-    pending: list = field(default_factory=list)
-
-    @property
-    def length(self):
-        return len(self.committed)
+# A request's tokens are the float64 inputs (mixed_qkv, gate, beta) of each token.
+Request = harness.Request
 
 
 class LayerCase:
@@ -101,17 +89,12 @@ class LayerCase:
     def run(self, rows, *, draft_tokens=None, accepted=None, num_tokens=None):
         """Run one batch. rows: (request, new tokens, is_prefilling) in batch order, padding rows as
         None. Returns the layer output [tokens, HV, V] (float64)."""
-        seq_lens, query_lens, table, flags, batch_tokens = [], [], [], [], []
-        width = max(len(row[0].blocks) for row in rows if row is not None)
+        batch_tokens = []
         for row in rows:
-            request, new, prefilling = row if row is not None else (Request([]), [], False)
-            self.owned.update(request.blocks)
-            seq_lens.append(request.length + len(new))
-            query_lens.append(len(new))
-            table.append(request.blocks + [0] * (width - len(request.blocks)))
-            flags.append(prefilling)
-            batch_tokens += new
-        common = harness.common_metadata(seq_lens, query_lens, table, is_prefilling=flags, num_tokens=num_tokens)
+            if row is not None:
+                self.owned.update(row[0].blocks)
+                batch_tokens += row[1]
+        common = harness.batch_metadata([row and (row[0], len(row[1]), row[2]) for row in rows], num_tokens=num_tokens)
         kwargs = {}
         if draft_tokens is not None:
             kwargs = dict(num_decode_draft_tokens_cpu=torch.tensor(draft_tokens, dtype=torch.int32),
@@ -162,16 +145,7 @@ class LayerCase:
     def check_outputs(self, out, rows, first_token=0):
         """Outputs of the batch's rows against the oracle (rows as in ``run``; spec rows use the
         request's committed tokens plus the new ones)."""
-        position = first_token
-        for row in rows:
-            if row is None:
-                continue
-            request, new, _ = row
-            o, _ = self.oracle(request.committed + new)
-            assert_close(out[position: position + len(new)], o[-len(new):], self.tol(),
-                         f"output of a {len(new)}-token row")
-            position += len(new)
-        assert torch.all(out[position:] == 0), "padding tokens must get zero output"
+        harness.check_row_outputs(out, rows, self.oracle, self.tol(), first_token)
 
     def check_state(self, block, tokens, what):
         _, final = self.oracle(tokens)

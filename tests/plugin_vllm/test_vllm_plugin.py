@@ -1,11 +1,13 @@
 """The vLLM plugin's registration against the real vLLM package: the entry point, parsing
 ``--attention-backend cula`` in a fresh process, the config surviving pickling into spawned
-processes, routing of full-attention layers, and clear errors for configurations it refuses."""
+processes, routing of full-attention layers, which models it accepts, and clear errors for
+configurations it refuses."""
 import json
 import pickle
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,11 +17,12 @@ pytest.importorskip("vllm.version", reason="needs the vllm package (.ci/vllm.sh 
 import vllm_harness as harness  # noqa: E402
 from vllm.config import AttentionConfig, CompilationConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
+from vllm.model_executor.layers.mamba.linear.bailing_linear_attn import BailingMoELinearAttention  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from cula_serve.integrations.vllm import plugin  # noqa: E402
-from cula_serve.integrations.vllm.compat import SUPPORTED_VLLM_TEXT  # noqa: E402
+from cula_serve.integrations.vllm.compat import SUPPORTED_VLLM_TEXT, check_model_has_linear_attention  # noqa: E402
 from cula_serve.integrations.vllm.layers import CulaQwenGatedDeltaNetAttention  # noqa: E402
 from cula_serve.integrations.vllm.metadata import CulaGDNAttentionBackend  # noqa: E402
 
@@ -150,6 +153,34 @@ def test_model_without_linear_attention_is_refused(tmp_path):
     with set_current_vllm_config(harness.make_vllm_config(str(tmp_path))), \
             pytest.raises(ValueError, match="no linear-attention layer that cula-serve serves"):
         get_attn_backend(16, torch.float32, None)
+
+
+def test_bailing_lightning_model_is_accepted(tmp_path):
+    from vllm.v1.attention.selector import get_attn_backend
+
+    model = harness.save_bailing_linear(tmp_path, H=4, D=16)
+    vllm_config = harness.make_vllm_config(model)
+    model_config = vllm_config.model_config
+    assert check_model_has_linear_attention(model_config.hf_text_config, model_config.architectures) == {"lightning": 1}
+    with set_current_vllm_config(vllm_config):
+        chosen = get_attn_backend(16, torch.float32, None)
+    with set_current_vllm_config(harness.make_vllm_config(model, backend=None)):
+        assert chosen is get_attn_backend(16, torch.float32, None)
+    # layer_group_size 1 (vLLM's default): every layer is full attention, nothing for cula to serve
+    model_config.hf_text_config.layer_group_size = 1
+    with pytest.raises(ValueError, match="no linear-attention layer that cula-serve serves"):
+        check_model_has_linear_attention(model_config.hf_text_config, model_config.architectures)
+    # MiniMax-style configs (an out-of-tree model on vLLM's MiniMax layer) mark Lightning layers 0
+    minimax = SimpleNamespace(attn_type_list=[0, 1, 0, 0])
+    assert check_model_has_linear_attention(minimax, ["MiniMaxText01ForCausalLM"]) == {"lightning": 3}
+
+
+def test_fp16_lightning_state_is_refused(tmp_path, generator):
+    model = harness.save_bailing_linear(tmp_path, H=4, D=16)
+    vllm_config = harness.make_vllm_config(model, dtype="float16")
+    with pytest.raises(ValueError, match="CulaBailingMoELinearAttention.*float16.*--mamba-cache-dtype"):
+        harness.build_layer(BailingMoELinearAttention, vllm_config, "model.layers.0.self_attn", 4, generator,
+                            init_weights=lambda layer, g: None)
 
 
 def gdn_layer(tmp_path, generator, **config):

@@ -1,6 +1,7 @@
 """The vLLM plugin's translation layer without vLLM: vLLM-shaped metadata (vllm_shaped.py) into
-cula-serve calls on vLLM-laid-out state pages, against the float64 oracle. Runs in the main test
-environment; tests/gpu/test_vllm_layer_gpu.py runs the same batches on a GPU."""
+cula-serve calls (GDN, KDA and Lightning) on vLLM-laid-out state pages, against the float64
+oracle. Runs in the main test environment; tests/gpu/test_vllm_layer_gpu.py runs the same batches
+on a GPU."""
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ from conftest import SMALL, tolerance
 from cula_serve.integrations.vllm.translate import null_block_to_padding, plan_linear_attention
 from vllm_shaped import Row, batch_inputs, batch_metadata, check_rows, fill_reads, gate_parameters, run_rows, state_pages
 
-MODES = ["gdn", "kda"]
+MODES = ["gdn", "kda", "lightning"]
 NUM_BLOCKS = 24
 
 

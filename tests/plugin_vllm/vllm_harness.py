@@ -12,13 +12,15 @@ empty (a GPU-less rank of a distributed job); that is set here, which is true of
 
 Configs are built the way vLLM's CPU tests build them: a ``VllmConfig`` from a tiny Hugging Face
 config saved to a folder, ``CommonAttentionMetadata`` for a batch described by sequence and query
-lengths, and the GDN metadata builder's ``build`` on the CPU.
+lengths, and the layer backend's metadata builder's ``build`` on the CPU. Layers are built as a
+model builds them, with random weights loaded through vLLM's weight loaders (which shard them
+under tensor parallelism), over NaN-filled state pages laid out as vLLM lays them out.
 """
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
@@ -43,6 +45,10 @@ class CpuCudaPathPlatform(Platform):
     @classmethod
     def is_pin_memory_available(cls) -> bool:
         return False
+
+    @classmethod
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        return 1  # vLLM's Triton norms size their row blocks by it
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
@@ -99,10 +105,30 @@ def save_kimi_linear(folder, *, H: int, D: int, conv_width: int = 4, lower_bound
     return str(folder)
 
 
+def save_bailing_linear(folder, *, H: int, D: int, hidden_size: int = 64, group_norm_size: int = 2) -> str:
+    """A tiny Bailing 2.5 config (BailingMoeV2_5ForCausalLM: layer 0 Lightning, layer 1 MLA) in
+    ``folder``, with the Lightning layer's options that vLLM's layer reads: q/k RMS norms, partial
+    rotary embedding, grouped output norm (``group_norm_size`` groups, a multiple of the tensor
+    parallel size). Saved as a Llama config carrying the extra fields, since the real one is
+    remote code."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=hidden_size, intermediate_size=128, num_attention_heads=H, num_key_value_heads=H, head_dim=D,
+        num_hidden_layers=2, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
+        architectures=["BailingMoeV2_5ForCausalLM"], layer_group_size=2, group_norm_size=group_norm_size,
+        use_qk_norm=True, linear_silu=False, partial_rotary_factor=0.5, rope_theta=10000.0, use_bias=False,
+        use_qkv_bias=False, num_experts=1,
+    ).save_pretrained(folder)
+    return str(folder)
+
+
 def make_vllm_config(model_dir: str, *, backend: str | None = "cula", dtype="float32", num_spec: int = 0,
-                     prefix_caching: bool = False, ssm_dtype: str | None = None, full_cuda_graph: bool = False,
-                     additional_config: dict | None = None) -> VllmConfig:
-    """A VllmConfig for the model in ``model_dir`` with ``--attention-backend backend``."""
+                     prefix_caching: bool = False, ssm_dtype: str | None = None, mamba_dtype: str | None = None,
+                     full_cuda_graph: bool = False, additional_config: dict | None = None) -> VllmConfig:
+    """A VllmConfig for the model in ``model_dir`` with ``--attention-backend backend``.
+    ssm_dtype / mamba_dtype: ``--mamba-ssm-cache-dtype`` (GDN, KDA states) / ``--mamba-cache-dtype``
+    (convolution and Lightning states)."""
     from vllm.config import AttentionConfig
 
     model_config = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype=dtype,
@@ -110,6 +136,8 @@ def make_vllm_config(model_dir: str, *, backend: str | None = "cula", dtype="flo
     cache_kwargs = dict(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)
     if ssm_dtype is not None:
         cache_kwargs["mamba_ssm_cache_dtype"] = ssm_dtype
+    if mamba_dtype is not None:
+        cache_kwargs["mamba_cache_dtype"] = mamba_dtype
     config = VllmConfig(
         model_config=model_config,
         cache_config=CacheConfig(**cache_kwargs),
@@ -132,21 +160,27 @@ def make_vllm_config(model_dir: str, *, backend: str | None = "cula", dtype="flo
 _distributed = False
 
 
-def init_distributed(vllm_config: VllmConfig) -> None:
-    """One gloo rank (tensor parallel size 1), once per process: vLLM's layers ask for it."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(vllm_config: VllmConfig, *, world_size: int = 1, rank: int = 0, port: int | None = None) -> None:
+    """vLLM's distributed state over gloo, tensor parallel over all ``world_size`` ranks, once per
+    process (vLLM's layers ask for it): by default one rank; a tensor-parallel test starts one
+    process per rank, each calling this with its rank and the same ``port`` first."""
     global _distributed
     if _distributed:
         return
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("LOCAL_RANK", "0")
+    port = free_port() if port is None else port
+    os.environ.setdefault("LOCAL_RANK", str(rank))
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
+        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(world_size, 1)
     _distributed = True
 
 
@@ -155,8 +189,9 @@ class BoundLayer:
     """A vLLM linear-attention layer with its state pages.
 
     pages: the raw int8 [num_blocks, page_bytes] memory vLLM would allocate; conv_state and
-    ssm_state: the layer's views of it after ``bind_kv_cache`` (ssm_state [num_blocks, HV, V, K]
-    with the page stride), NaN everywhere at the start.
+    ssm_state: the layer's views of it after ``bind_kv_cache`` (ssm_state: the recurrent state,
+    [num_blocks, HV, V, K] for GDN / KDA and [num_blocks, H, D, D] for Lightning, with the page
+    stride), NaN everywhere at the start.
     """
 
     layer: torch.nn.Module
@@ -169,27 +204,104 @@ class BoundLayer:
 
     @property
     def ssm_state(self) -> torch.Tensor:
-        return self.layer.kv_cache[1]
+        return self.layer.kv_cache[-1]
 
 
-def build_layer(layer_cls, vllm_config: VllmConfig, prefix: str, num_blocks: int, generator) -> BoundLayer:
-    """Construct ``layer_cls`` as a model would (vLLM swaps in the plugin's class), give it random
-    convolution and gate weights, and bind NaN-filled pages laid out as vLLM lays them out."""
+def random_delta_rule_weights(layer, generator) -> None:
+    """Random convolution and gate weights of a GDN / KDA layer (what its core reads)."""
+    w = layer.conv1d.weight
+    w.copy_(0.5 * torch.randn(w.shape, generator=generator).to(w.dtype))
+    layer.A_log.copy_(torch.empty(layer.A_log.shape).uniform_(0, 1.5, generator=generator))
+    layer.dt_bias.copy_(0.5 * torch.randn(layer.dt_bias.shape, generator=generator))
+
+
+def random_weights(layer, generator) -> dict[str, torch.Tensor]:
+    """Random weights for every parameter of ``layer`` as a checkpoint holds them (the layer is
+    built with tensor parallel size 1): matrices ~ N(0, 1 / fan_in), vectors (norm weights) ~ 1 +
+    N(0, 0.1^2)."""
+    weights = {}
+    for name, param in layer.named_parameters():
+        x = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        weights[name] = x * param.shape[-1] ** -0.5 if param.dim() > 1 else 1 + 0.1 * x
+    return weights
+
+
+def load_weights(layer, weights: dict[str, torch.Tensor]) -> None:
+    """Load checkpoint-shaped ``weights`` into ``layer`` through each parameter's vLLM weight
+    loader, which takes this rank's shard under tensor parallelism."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    params = dict(layer.named_parameters())
+    if set(params) != set(weights):
+        raise ValueError(f"weights: expected {sorted(params)}, got {sorted(weights)}")
+    for name, param in params.items():
+        getattr(param, "weight_loader", default_weight_loader)(param, weights[name].to(param.dtype))
+
+
+def build_layer(layer_cls, vllm_config: VllmConfig, prefix: str, num_blocks: int, generator, *,
+                init_weights=random_delta_rule_weights, page_padding: int = 64) -> BoundLayer:
+    """Construct ``layer_cls`` as a model would (vLLM swaps in the plugin's class), give it weights
+    (``init_weights(layer, generator)``), and bind NaN-filled pages laid out as vLLM lays them out:
+    the states packed at the start of each page, the page ``page_padding`` bytes longer (vLLM pads
+    mamba pages up to the attention page size), so the state views are page-strided."""
     init_distributed(vllm_config)
     vllm_config.compilation_config.static_forward_context.pop(prefix, None)
     with set_current_vllm_config(vllm_config):
         layer = layer_cls(vllm_config.model_config.hf_config, vllm_config, prefix=prefix)
     with torch.no_grad():
-        w = layer.conv1d.weight
-        w.copy_(0.5 * torch.randn(w.shape, generator=generator).to(w.dtype))
-        layer.A_log.copy_(torch.empty(layer.A_log.shape).uniform_(0, 1.5, generator=generator))
-        layer.dt_bias.copy_(0.5 * torch.randn(layer.dt_bias.shape, generator=generator))
+        init_weights(layer, generator)
     spec = layer.get_kv_cache_spec(vllm_config)
-    pages = torch.zeros(num_blocks, spec.page_size_bytes, dtype=torch.int8)
-    layer.bind_kv_cache(pages.view(num_blocks, 1, 1, spec.page_size_bytes))
+    page_bytes = spec.page_size_bytes + page_padding
+    pages = torch.zeros(num_blocks, page_bytes, dtype=torch.int8)
+    layer.bind_kv_cache(pages.view(num_blocks, 1, 1, page_bytes))
     for state in layer.kv_cache:
         state.fill_(float("nan"))
     return BoundLayer(layer, vllm_config, pages)
+
+
+@dataclass
+class Request:
+    """One request's blocks and its tokens: ``committed`` are accepted, ``pending`` are the last
+    verify's tokens, of which the next step accepts a prefix (what a token is, is the test's)."""
+
+    blocks: list
+    committed: list = field(default_factory=list)
+    pending: list = field(default_factory=list)
+
+    @property
+    def length(self):
+        return len(self.committed)
+
+
+
+def check_row_outputs(out, rows, oracle, tol, first_token=0):
+    """Outputs of a batch's rows (``(request, new tokens, _)`` or None) against ``oracle(tokens)``
+    -> (o, final): a row's tokens are the request's committed tokens plus the new ones, its
+    outputs the last ``len(new)``. Tokens past the rows (padding) must be zero."""
+    from conftest import assert_close
+
+    position = first_token
+    for row in rows:
+        if row is None:
+            continue
+        request, new, _ = row
+        o, _ = oracle(request.committed + new)
+        assert_close(out[position: position + len(new)], o[-len(new):], tol, f"output of a {len(new)}-token row")
+        position += len(new)
+    assert torch.all(out[position:] == 0), "padding tokens must get zero output"
+
+def batch_metadata(rows, *, num_tokens=None) -> CommonAttentionMetadata:
+    """vLLM's CommonAttentionMetadata of a batch of ``rows`` in vLLM's order: (request, number of
+    new tokens, is_prefilling) per row, None for a CUDA-graph padding row (no tokens, null block)."""
+    seq_lens, query_lens, table, flags = [], [], [], []
+    width = max(len(row[0].blocks) for row in rows if row is not None)
+    for row in rows:
+        request, new, prefilling = row if row is not None else (Request([]), 0, False)
+        seq_lens.append(request.length + new)
+        query_lens.append(new)
+        table.append(request.blocks + [0] * (width - len(request.blocks)))
+        flags.append(prefilling)
+    return common_metadata(seq_lens, query_lens, table, is_prefilling=flags, num_tokens=num_tokens)
 
 
 def common_metadata(seq_lens, query_lens, block_table, *, is_prefilling=None, num_tokens=None):

@@ -2,11 +2,14 @@
 and on the GPU, where vLLM is not installed).
 
 ``batch_metadata`` fills the fields of vLLM 0.32's ``GDNAttentionMetadata`` the way its builder
-fills them for the batch kinds the plugin serves; test_vllm_layers.py checks the plugin against
-the real builder. ``state_pages`` lays out recurrent states as vLLM does: per block one page
-holding the convolution state first and the recurrent state after it, so the state view has the
-page as its slot stride. ``oracle_row`` is one row's float64 reference; ``fill_reads``,
-``batch_inputs``, ``run_rows`` and ``check_rows`` run and check a batch of rows.
+fills them for the batch kinds the plugin serves (the plugin plans GDN, KDA and Lightning layers
+from that metadata); test_vllm_layers.py and test_vllm_lightning.py check the plugin against the
+real builder. Modes: "gdn", "kda" (post-convolution inputs and raw gates) and "lightning" (q, k, v
+with q scaled as vLLM's Lightning layers scale it, and the per-head decay). ``state_pages`` lays
+out recurrent states as vLLM does: per block one page holding the convolution state first and the
+recurrent state after it, so the state view has the page as its slot stride. ``oracle_row`` is
+one row's float64 reference; ``fill_reads``, ``batch_inputs``, ``run_rows`` and ``check_rows`` run
+and check a batch of rows.
 """
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ from types import SimpleNamespace
 
 import torch
 
-from cula_serve import cula_gdn, cula_kda
-from cula_serve.integrations.vllm.translate import DeltaRuleInputs, run_delta_rule, split_tokens
+from cula_serve import cula_gdn, cula_kda, cula_lightning
+from cula_serve.inputs import minimax_decay
+from cula_serve.integrations.vllm.translate import (DeltaRuleInputs, LightningInputs, run_delta_rule, run_lightning,
+                                                    split_tokens)
 
 from conftest import ORACLE, assert_close
 
@@ -140,17 +145,24 @@ def batch_metadata(rows: list[Row], *, num_spec: int = 0, device="cpu", padded_t
 
 
 def random_row_inputs(mode: str, n: int, *, H, HV, K, V, dtype, generator, device="cpu"):
-    """Post-convolution inputs of n tokens: q, k [n, H, K], v [n, HV, V] in ``dtype``; raw gate
-    [n, HV] (gdn) / [n, HV, K] (kda) and raw beta logits [n, HV] in float32."""
+    """Inputs of n tokens: q, k [n, H, K], v [n, HV, V] in ``dtype``; for gdn / kda (after the
+    convolution) also the raw gate [n, HV] (gdn) / [n, HV, K] (kda) and raw beta logits [n, HV]
+    in float32; lightning q is scaled by K ** -0.5 (vLLM's Lightning layers hand it so)."""
     def rand(*shape):
         return torch.randn(*shape, generator=generator).to(device)
 
+    if mode == "lightning":
+        return ((rand(n, H, K) * K ** -0.5).to(dtype), rand(n, H, K).to(dtype), rand(n, HV, V).to(dtype))
     gate = rand(n, HV) if mode == "gdn" else rand(n, HV, K)
     return (rand(n, H, K).to(dtype), rand(n, H, K).to(dtype), rand(n, HV, V).to(dtype), gate, rand(n, HV))
 
 
 def gate_parameters(mode: str, HV: int, K: int, generator, device="cpu", lower_bound=None):
-    """A_log [HV] and dt_bias ([HV] gdn, [HV * K] kda) as a vLLM layer holds them."""
+    """The per-layer parameters of the mode's calls as a vLLM layer passes them: A_log [HV] and
+    dt_bias ([HV] gdn, [HV * K] kda); lightning: the decay [HV] (minus MiniMax's slopes) and
+    scale 1 (q comes scaled)."""
+    if mode == "lightning":
+        return dict(decay=minimax_decay(HV).to(device), scale=1.0)
     A_log = torch.empty(HV).uniform_(0, 1.5, generator=generator).to(device)
     dt_bias = 0.5 * torch.randn(HV if mode == "gdn" else HV * K, generator=generator).to(device)
     params = dict(A_log=A_log, dt_bias=dt_bias)
@@ -159,18 +171,22 @@ def gate_parameters(mode: str, HV: int, K: int, generator, device="cpu", lower_b
     return params
 
 
-def oracle_row(mode, q, k, v, g, beta, initial_state, params, oracle):
+def oracle_row(mode, inputs, initial_state, params, oracle):
     """Outputs [n, HV, V] and the states after each token ([n, HV, V, K]) of one row, float64.
-    initial_state: [HV, V, K] or None (zeros)."""
-    prefill = cula_gdn if mode == "gdn" else cula_kda
-    extra = {} if mode == "gdn" else dict(lower_bound=params.get("lower_bound"))
-    common = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                  A_log=params["A_log"].double(), dt_bias=params["dt_bias"].double(), output_final_state=True,
-                  **extra, **oracle)
-    x = [t.double()[None] for t in (q, k, v, g, beta)]
+    inputs: the row's ``random_row_inputs``; initial_state: [HV, V, K] or None (zeros)."""
+    if mode == "lightning":
+        prefill = cula_lightning
+        common = dict(decay=params["decay"].double(), scale=params["scale"], output_final_state=True, **oracle)
+    else:
+        prefill = cula_gdn if mode == "gdn" else cula_kda
+        extra = {} if mode == "gdn" else dict(lower_bound=params.get("lower_bound"))
+        common = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      A_log=params["A_log"].double(), dt_bias=params["dt_bias"].double(), output_final_state=True,
+                      **extra, **oracle)
+    x = [t.double()[None] for t in inputs]
     init = None if initial_state is None else initial_state.double()[None]
     o, _ = prefill(*x, initial_state=init, **common)
-    states = [prefill(*(t[:, : i + 1] for t in x), initial_state=init, **common)[1][0] for i in range(q.shape[0])]
+    states = [prefill(*(t[:, : i + 1] for t in x), initial_state=init, **common)[1][0] for i in range(x[0].shape[1])]
     return o[0], torch.stack(states)
 
 
@@ -188,21 +204,25 @@ def fill_reads(rows, pool, generator):
 
 
 def batch_inputs(mode, rows, num_tokens, shape, *, dtype, generator, device="cpu"):
-    """Per-row inputs (``random_row_inputs``) and the packed batch of the five tensors, padded with
+    """Per-row inputs (``random_row_inputs``) and the packed batch of their tensors, padded with
     zero tokens to ``num_tokens``."""
     per_row = [random_row_inputs(mode, 0 if r.kind == "pad" else r.num_tokens, **shape, dtype=dtype,
                                  generator=generator, device=device) for r in rows]
-    batch = [torch.cat([x[i] for x in per_row]) for i in range(5)]
+    batch = [torch.cat([x[i] for x in per_row]) for i in range(len(per_row[0]))]
     batch = [torch.cat([t, t.new_zeros(num_tokens - t.shape[0], *t.shape[1:])]) for t in batch]
     return per_row, batch
 
 
 def run_rows(plan, mode, batch, pool, out, params):
-    """The plugin's path: split the packed batch by the plan and run the delta rule."""
+    """The plugin's path: split the packed batch by the plan and run the layer's recurrence."""
+    inputs = LightningInputs if mode == "lightning" else DeltaRuleInputs
     spec, rest = zip(*(split_tokens(plan, t) for t in batch))
-    spec = None if spec[0] is None else DeltaRuleInputs(*spec)
-    rest = None if rest[0] is None else DeltaRuleInputs(*rest)
-    run_delta_rule(plan, mode, spec, rest, pool, out, **params)
+    spec = None if spec[0] is None else inputs(*spec)
+    rest = None if rest[0] is None else inputs(*rest)
+    if mode == "lightning":
+        run_lightning(plan, spec, rest, pool, out, **params)
+    else:
+        run_delta_rule(plan, mode, spec, rest, pool, out, **params)
 
 
 def check_rows(mode, rows, per_row, reads, out, pool, params, tol):
@@ -214,7 +234,7 @@ def check_rows(mode, rows, per_row, reads, out, pool, params, tol):
         if r.kind == "pad":
             continue
         n = x[0].shape[0]
-        o, states = oracle_row(mode, *x, reads.get(i), params, ORACLE)
+        o, states = oracle_row(mode, x, reads.get(i), params, ORACLE)
         assert_close(out[position: position + n], o, tol, f"{r.kind} row output")
         if r.kind == "verify":
             for t in range(n):
