@@ -94,12 +94,8 @@ class LayerCase:
             if row is not None:
                 self.owned.update(row[0].blocks)
                 batch_tokens += row[1]
-        common = harness.batch_metadata([row and (row[0], len(row[1]), row[2]) for row in rows], num_tokens=num_tokens)
-        kwargs = {}
-        if draft_tokens is not None:
-            kwargs = dict(num_decode_draft_tokens_cpu=torch.tensor(draft_tokens, dtype=torch.int32),
-                          num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
-        md = self.builder.build(0, common, **kwargs)
+        common, md = harness.build_batch(self.builder, rows, draft_tokens=draft_tokens, accepted=accepted,
+                                         num_tokens=num_tokens)
         T = common.num_actual_tokens
         pad = T - len(batch_tokens)
         x = torch.stack([t[0] for t in batch_tokens] + [torch.zeros(self.dim, dtype=torch.float64)] * pad)

@@ -304,6 +304,18 @@ def batch_metadata(rows, *, num_tokens=None) -> CommonAttentionMetadata:
     return common_metadata(seq_lens, query_lens, table, is_prefilling=flags, num_tokens=num_tokens)
 
 
+
+def build_batch(builder, rows, *, draft_tokens=None, accepted=None, num_tokens=None):
+    """vLLM's metadata of a batch of ``rows`` ((request, new tokens, is_prefilling), None for a
+    CUDA-graph padding row) from ``builder``, with the MTP arguments when ``draft_tokens`` is given
+    (``accepted``: the previous step's accepted counts). Returns (common metadata, built metadata)."""
+    common = batch_metadata([row and (row[0], len(row[1]), row[2]) for row in rows], num_tokens=num_tokens)
+    kwargs = {}
+    if draft_tokens is not None:
+        kwargs = dict(num_decode_draft_tokens_cpu=torch.tensor(draft_tokens, dtype=torch.int32),
+                      num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
+    return common, builder.build(0, common, **kwargs)
+
 def common_metadata(seq_lens, query_lens, block_table, *, is_prefilling=None, num_tokens=None):
     """vLLM's CommonAttentionMetadata for one batch (on the CPU).
 

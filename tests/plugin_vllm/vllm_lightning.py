@@ -87,13 +87,8 @@ class LightningCase:
         is_prefilling) in vLLM's batch order, CUDA-graph padding rows as None. Stores the core's
         q, k, v in each new token (under ``cula``). Returns (metadata, layer output [T,
         hidden_size] float64)."""
-        common = harness.batch_metadata([row and (row[0], len(row[1]), row[2]) for row in rows],
-                                        num_tokens=num_tokens)
-        kwargs = {}
-        if draft_tokens is not None:
-            kwargs = dict(num_decode_draft_tokens_cpu=torch.tensor(draft_tokens, dtype=torch.int32),
-                          num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
-        md = self.builder.build(0, common, **kwargs)
+        common, md = harness.build_batch(self.builder, rows, draft_tokens=draft_tokens, accepted=accepted,
+                                         num_tokens=num_tokens)
         T = common.num_actual_tokens
         x = torch.zeros(T, self.hidden_size)
         positions = torch.zeros(T, dtype=torch.int64)
