@@ -21,7 +21,7 @@ Launches per call: three.
 1. ``_delta_intra_kernel``, grid (T // C + N, HV): one program per (chunk, value head), all
    independent. Loads q, k, the gate and beta of its chunk once in 16-row sub-chunks, applies
    l2norm, the fused gate, the in-chunk cumulative sum and the beta sigmoid in registers, builds
-   A and P in 16 x 16 blocks, inverts M by blocks (forward substitution on the four diagonal
+   A and P in 16 x 16 blocks, inverts M by blocks (block doubling within each of the four diagonal
    blocks, then (M^-1)_ij = -(M^-1)_ii sum_m M_im (M^-1)_mj) and writes W [T, HV, K],
    U~ [T, HV, V] and the lower blocks of P [T, HV, C] to a workspace.
 2. ``_delta_state_kernel``, grid (N, HV, V / BV): one program per (sequence, value head, V
@@ -335,7 +335,7 @@ def _delta_intra_kernel(
         # Row block by row block (sub-chunk i = rows 16 i .. 16 i + 15), so that A and P die as
         # soon as their row of M^-1 exists: load sub-chunk i, form A_ij and P_ij for j <= i, store
         # P, then row i of M^-1 (M_ij = beta_i A_ij below the diagonal):
-        #   (M^-1)_ii by substitution, (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} M_im (M^-1)_mj,
+        #   (M^-1)_ii by block doubling, (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} M_im (M^-1)_mj,
         # then rows i of U~ = M^-1 diag(beta) V and W (see _w_operand).
         # r_i is the cumulative gate at the end of sub-chunk i - 1: the reference of row block i.
         r = tl.arange(0, SUB)
