@@ -1,4 +1,4 @@
-"""Chunked prefill of the gated delta rule (GDN and KDA) in Triton: two kernels, one core.
+"""Chunked prefill of the gated delta rule (GDN and KDA) in Triton: three kernels, one core.
 
 The math is ``chunk_torch.py``'s WY form (read its docstring first). Per chunk of C = 64 tokens,
 with G the chunk-local cumulative log gate (per token for GDN, per token and channel for KDA),
@@ -15,16 +15,20 @@ q and k l2-normalised, and S0 the state entering the chunk:
 GDN is this with a scalar gate broadcast over the K channels; the kernels are shared and a
 constexpr (PER_CHANNEL) picks how a decay is applied, nothing else.
 
-Launches per call: three.
+Launches per call: four.
 0. ``kernels.common.varlen.chunk_indices``: the (sequence, chunk) of every global chunk id, on
    the device (no host synchronisation).
 1. ``_delta_intra_kernel``, grid (T // C + N, HV): one program per (chunk, value head), all
    independent. Loads q, k, the gate and beta of its chunk once in 16-row sub-chunks, applies
    l2norm, the fused gate, the in-chunk cumulative sum and the beta sigmoid in registers, builds
    A and P in 16 x 16 blocks, inverts M by blocks (block doubling within each of the four diagonal
-   blocks, then (M^-1)_ij = -(M^-1)_ii sum_m M_im (M^-1)_mj) and writes W [T, HV, K],
-   U~ [T, HV, V] and the lower blocks of P [T, HV, C] to a workspace.
-2. ``_delta_state_kernel``, grid (N, HV, V / BV): one program per (sequence, value head, V
+   blocks, then (M^-1)_ij = -(M^-1)_ii sum_m M_im (M^-1)_mj) and writes the lower blocks of P and
+   of M^-1 [T, HV, C] to a workspace.
+2. ``_delta_wu_kernel``, same grid: U~ = M^-1 diag(beta) V and W as two C-row products over the
+   whole chunk, into W [T, HV, K] and U~ [T, HV, V]. A separate launch because inside kernel 1
+   the products (there 20 small ones, per sub-chunk) kept every v and k tile live and spilled:
+   GDN 4 x 8192 on an H200 went from 6.01 to 4.05 ms with the split.
+3. ``_delta_state_kernel``, grid (N, HV, V / BV): one program per (sequence, value head, V
    tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. Per chunk it
    rereads q, k and the gate (recomputing l2norm, gate and cumulative sum is cheaper than a
    workspace round trip of exp(G) Q and exp(G_C - G) K), reads W, U~, P and applies the four
@@ -32,9 +36,10 @@ Launches per call: three.
    checkpoints; FLA's chunk_h writes every chunk's state, this never does.
 
 Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
-workspace W, U~, P written once and read once (W and P once per V tile, mostly from L2). With
-bf16 inputs and K = V = 128 that is 2 (K + C) + 4 V = 896 bytes each way; the workspace is
-allocated per call ([T, HV, K + V + C], about 28 MB per 1000 tokens at 32 value heads).
+workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2).
+With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
+workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
+heads).
 
 Numerics of the gate. exp(G_t - G_s) <= 1 for s <= t, but exp(-G_s) alone overflows float32
 once a chunk's gates sum below about -88, which KDA's unbounded per-channel gate reaches easily.
@@ -45,8 +50,12 @@ Nothing here forms exp(-G) alone:
     both factors <= 1 since G is non-increasing (t comes after r_i's row, s before it). The block
     is then one tensor-core product of two decayed tiles; a factor can only underflow when the
     true product is smaller still.
-  - diagonal blocks are formed exactly, one key column s at a time: exp(G_t - G_s) over the rows
-    t >= s of the sub-chunk, elementwise (16 x K per column).
+  - diagonal blocks split the decay the same way at r_i, the gate before the sub-chunk: then
+    exp(G_t - r_i) <= 1 and exp(r_i - G_s) >= 1, which is safe while the sub-chunk's gates span
+    less than FACTOR_SPAN = 80 in every channel (e^80 ~ 5.5e34). A sub-chunk that spans more
+    (decays below e^-80 within 16 tokens) takes the exact path instead, one key column s at a
+    time: exp(G_t - G_s) over the rows t >= s, elementwise (16 x K per column). The choice is
+    made on the device, per sub-chunk.
   - W uses exp(G_t) <= 1, the state update exp(G_C - G_t) <= 1 and exp(G_C) <= 1.
   - GDN's scalar decays are 16 x 16 matrices exp(G_t - G_s), masked to s <= t before the
     exponential. Its cumulative sums run in float64 (a few scalars per token): with strong
@@ -80,6 +89,8 @@ from ..common.varlen import chunk_indices, max_chunks
 
 SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
 EPS = tl.constexpr(L2NORM_EPS)
+# KDA diagonal blocks go to the tensor cores while exp(span) stays far from float32's 3.4e38 (e^88)
+FACTOR_SPAN = tl.constexpr(80.0)
 MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
 
 
@@ -157,7 +168,7 @@ def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
 
 
 # ---------------------------------------------------------------------------------------------
-# kernel 1: everything inside a chunk that does not depend on the state
+# kernel 1: P and M^-1 of every chunk (nothing here depends on the state)
 
 
 @triton.jit
@@ -193,23 +204,43 @@ def _load_sub(q, k, g, beta, t0, row0, L, carry, s_qt, s_qk, s_kt, s_kk, s_gt, s
 
 
 @triton.jit
-def _diag_block(qi, ki, rqi, rki, Gi, PER_CHANNEL: tl.constexpr, PREC_IN: tl.constexpr):
-    """A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16 block."""
+def _factored_products(qi, ki, rqi, rki, Gi, kj, rkj, Gj, ref, PREC_ACC: tl.constexpr):
+    """KDA's A_ts and P_ts / scale for rows t of sub-chunk i and columns s of sub-chunk j as two
+    tensor-core products, the decay split at ``ref`` [BK]: exp(G_t - G_s) = exp(G_t - ref) *
+    exp(ref - G_s). Exact up to the products' rounding while neither factor overflows."""
+    row = tl.exp(Gi - ref[None, :])
+    kt = tl.trans(kj.to(tl.float32) * (rkj[:, None] * tl.exp(ref[None, :] - Gj)))
+    A = _dot(ki.to(tl.float32) * (rki[:, None] * row), kt, PREC_ACC)
+    P = _dot(qi.to(tl.float32) * (rqi[:, None] * row), kt, PREC_ACC)
+    return A, P
+
+
+@triton.jit
+def _diag_block(qi, ki, rqi, rki, Gi, ref, PER_CHANNEL: tl.constexpr, PREC_IN: tl.constexpr,
+                PREC_ACC: tl.constexpr):
+    """A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16 block.
+    ``ref`` is the cumulative gate before the sub-chunk (KDA only)."""
     r = tl.arange(0, SUB)
     if PER_CHANNEL:
-        # exact pairwise decays, one key column s at a time: exp(G_t - G_s) for rows t >= s only
-        qf = qi.to(tl.float32) * rqi[:, None]
-        kf = ki.to(tl.float32) * rki[:, None]
-        A = tl.zeros([SUB, SUB], dtype=tl.float32)
-        P = tl.zeros([SUB, SUB], dtype=tl.float32)
-        for s in range(SUB):  # not unrolled: bounded live ranges
-            pick = (r == s)[:, None]
-            k_s = tl.sum(tl.where(pick, kf, 0.0), 0)
-            G_s = tl.sum(tl.where(pick, Gi, 0.0), 0)
-            decayed = tl.exp(tl.where((r >= s)[:, None], Gi - G_s[None, :], 0.0)) * k_s[None, :]
-            col = (r == s)[None, :]
-            A = tl.where(col, tl.sum(kf * decayed, 1)[:, None], A)
-            P = tl.where(col, tl.sum(qf * decayed, 1)[:, None], P)
+        # Split at ref, the factors are exp(G_t - ref) <= 1 and exp(ref - G_s) >= 1: safe while
+        # the sub-chunk's gates span less than FACTOR_SPAN in every channel (the usual case: it
+        # takes decays below e^-80 within 16 tokens to leave it). Otherwise the exact pairwise
+        # decays, one key column s at a time: exp(G_t - G_s) for rows t >= s only.
+        if tl.max(tl.max(tl.abs(Gi - ref[None, :]), 1), 0) < FACTOR_SPAN:
+            A, P = _factored_products(qi, ki, rqi, rki, Gi, ki, rki, Gi, ref, PREC_ACC)
+        else:
+            qf = qi.to(tl.float32) * rqi[:, None]
+            kf = ki.to(tl.float32) * rki[:, None]
+            A = tl.zeros([SUB, SUB], dtype=tl.float32)
+            P = tl.zeros([SUB, SUB], dtype=tl.float32)
+            for s in range(SUB):  # not unrolled: bounded live ranges
+                pick = (r == s)[:, None]
+                k_s = tl.sum(tl.where(pick, kf, 0.0), 0)
+                G_s = tl.sum(tl.where(pick, Gi, 0.0), 0)
+                decayed = tl.exp(tl.where((r >= s)[:, None], Gi - G_s[None, :], 0.0)) * k_s[None, :]
+                col = (r == s)[None, :]
+                A = tl.where(col, tl.sum(kf * decayed, 1)[:, None], A)
+                P = tl.where(col, tl.sum(qf * decayed, 1)[:, None], P)
     else:
         decay = tl.exp(tl.where(r[:, None] >= r[None, :], Gi[:, None] - Gi[None, :], 0.0).to(tl.float32))
         kt = tl.trans(ki)
@@ -226,11 +257,8 @@ def _off_block(qi, ki, rqi, rki, Gi, kj, rkj, Gj, ref, PER_CHANNEL: tl.constexpr
     """A and P / scale of the block of rows in sub-chunk i and columns in an earlier sub-chunk j.
     ``ref`` is the cumulative gate at the end of sub-chunk i - 1 (KDA only)."""
     if PER_CHANNEL:
-        # exp(G_t - G_s) = exp(G_t - ref) * exp(ref - G_s), both factors <= 1
-        row = tl.exp(Gi - ref[None, :])
-        kt = tl.trans(kj.to(tl.float32) * (rkj[:, None] * tl.exp(ref[None, :] - Gj)))
-        A = _dot(ki.to(tl.float32) * (rki[:, None] * row), kt, PREC_ACC)
-        P = _dot(qi.to(tl.float32) * (rqi[:, None] * row), kt, PREC_ACC)
+        # both factors <= 1 here: t comes after ref's row, s before it
+        A, P = _factored_products(qi, ki, rqi, rki, Gi, kj, rkj, Gj, ref, PREC_ACC)
     else:
         decay = tl.exp((Gi[:, None] - Gj[None, :]).to(tl.float32))
         kt = tl.trans(kj)
@@ -269,40 +297,27 @@ def _store_rows(ptr, x, tok, rmask, hv, HV: tl.constexpr, D: tl.constexpr, BD: t
 
 
 @triton.jit
-def _store_p_block(P_ws, x, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
+def _store_block(ws, x, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
+    """A 16 x 16 block at (row0, col0) of the chunk's [C, C] matrix in a [T, HV, C] workspace."""
     r = row0 + tl.arange(0, SUB)
     c = col0 + tl.arange(0, SUB)
-    tl.store(P_ws + ((t0 + r)[:, None] * HV + hv) * C + c[None, :], x.to(P_ws.dtype.element_ty),
+    tl.store(ws + ((t0 + r)[:, None] * HV + hv) * C + c[None, :], x.to(ws.dtype.element_ty),
              mask=(r < L)[:, None])
 
 
 @triton.jit
-def _w_operand(kj, rkj, Gj, PER_CHANNEL: tl.constexpr):
-    """W = M^-1 diag(beta) (exp(G) * K / |k|) is computed as sum_j (M^-1)_ij diag(beta_j c_j) X_j.
-    KDA: X_j = exp(G_j) * k_j / |k_j| and c_j = 1. GDN: the row factor goes to c_j and the raw
-    k_j tile enters the product as loaded. Returns (X_j, c_j)."""
-    if PER_CHANNEL:
-        X = kj.to(tl.float32) * (rkj[:, None] * tl.exp(Gj))
-        c = tl.full([SUB], 1.0, tl.float32)
-    else:
-        X = kj
-        c = rkj * tl.exp(Gj.to(tl.float32))
-    return X, c
-
-
-@triton.jit
 def _delta_intra_kernel(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, chunk_table, state_indices,
-    W_ws, U_ws, P_ws,
-    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
-    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    P_ws, Minv_ws,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    BK: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr, PREC_ACC: tl.constexpr,
 ):
-    """One (chunk, value head): W, U~ and P of the chunk into the workspace (module docstring)."""
+    """One (chunk, value head): P and M^-1 of the chunk into the workspace (module docstring)."""
     tl.static_assert(C == 4 * SUB)
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -319,7 +334,6 @@ def _delta_intra_kernel(
         L = tl.minimum(eos - t0, C).to(tl.int32)
         q += h * s_qh
         k += h * s_kh
-        v += hv * s_vh
         g += hv * s_gh
         beta += hv * s_bh
         A = 0.0
@@ -333,96 +347,129 @@ def _delta_intra_kernel(
             r0 = tl.zeros([], dtype=tl.float64)
 
         # Row block by row block (sub-chunk i = rows 16 i .. 16 i + 15), so that A and P die as
-        # soon as their row of M^-1 exists: load sub-chunk i, form A_ij and P_ij for j <= i, store
-        # P, then row i of M^-1 (M_ij = beta_i A_ij below the diagonal):
-        #   (M^-1)_ii by block doubling, (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} M_im (M^-1)_mj,
-        # then rows i of U~ = M^-1 diag(beta) V and W (see _w_operand).
+        # soon as their row of M^-1 exists: load sub-chunk i, form A_ij and P_ij for j <= i,
+        # store P, then row i of M^-1 (M_ij = beta_i A_ij below the diagonal):
+        #   (M^-1)_ii by block doubling, (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} M_im (M^-1)_mj.
         # r_i is the cumulative gate at the end of sub-chunk i - 1: the reference of row block i.
-        r = tl.arange(0, SUB)
-        tok = t0 + r
-
         q0, k0, rq0, rk0, G0, b0, r1 = _load_sub(
             q, k, g, beta, t0, 0, L, r0, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
             K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        A00, P00 = _diag_block(q0, k0, rq0, rk0, G0, PER_CHANNEL, PREC_IN)
-        _store_p_block(P_ws, scale * P00, t0, 0, 0, L, hv, HV, C)
+        A00, P00 = _diag_block(q0, k0, rq0, rk0, G0, r0, PER_CHANNEL, PREC_IN, PREC_ACC)
+        _store_block(P_ws, scale * P00, t0, 0, 0, L, hv, HV, C)
         I00 = _invert_unit_lower16(b0[:, None] * A00)
-        X0, c0 = _w_operand(k0, rk0, G0, PER_CHANNEL)
-        c0 *= b0
-        v0 = _load_rows(v, tok, r < L, s_vt, s_vv, V, BV)
-        _store_rows(U_ws, _dot(I00 * b0[None, :], v0, PREC_ACC), tok, r < L, hv, HV, V, BV)
-        _store_rows(W_ws, _dot(I00 * c0[None, :], X0, PREC_ACC), tok, r < L, hv, HV, K, BK)
+        _store_block(Minv_ws, I00, t0, 0, 0, L, hv, HV, C)
 
         q1, k1, rq1, rk1, G1, b1, r2 = _load_sub(
             q, k, g, beta, t0, SUB, L, r1, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
             K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        A11, P11 = _diag_block(q1, k1, rq1, rk1, G1, PER_CHANNEL, PREC_IN)
+        A11, P11 = _diag_block(q1, k1, rq1, rk1, G1, r1, PER_CHANNEL, PREC_IN, PREC_ACC)
         A10, P10 = _off_block(q1, k1, rq1, rk1, G1, k0, rk0, G0, r1, PER_CHANNEL, PREC_IN, PREC_ACC)
-        _store_p_block(P_ws, scale * P10, t0, SUB, 0, L, hv, HV, C)
-        _store_p_block(P_ws, scale * P11, t0, SUB, SUB, L, hv, HV, C)
+        _store_block(P_ws, scale * P10, t0, SUB, 0, L, hv, HV, C)
+        _store_block(P_ws, scale * P11, t0, SUB, SUB, L, hv, HV, C)
         I11 = _invert_unit_lower16(b1[:, None] * A11)
         I10 = -_mm(I11, _mm(b1[:, None] * A10, I00))
-        X1, c1 = _w_operand(k1, rk1, G1, PER_CHANNEL)
-        c1 *= b1
-        v1 = _load_rows(v, tok + SUB, r + SUB < L, s_vt, s_vv, V, BV)
-        U1 = _dot(I10 * b0[None, :], v0, PREC_ACC) + _dot(I11 * b1[None, :], v1, PREC_ACC)
-        W1 = _dot(I10 * c0[None, :], X0, PREC_ACC) + _dot(I11 * c1[None, :], X1, PREC_ACC)
-        _store_rows(U_ws, U1, tok + SUB, r + SUB < L, hv, HV, V, BV)
-        _store_rows(W_ws, W1, tok + SUB, r + SUB < L, hv, HV, K, BK)
+        _store_block(Minv_ws, I10, t0, SUB, 0, L, hv, HV, C)
+        _store_block(Minv_ws, I11, t0, SUB, SUB, L, hv, HV, C)
 
         q2, k2, rq2, rk2, G2, b2, r3 = _load_sub(
             q, k, g, beta, t0, 2 * SUB, L, r2, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
             K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        A22, P22 = _diag_block(q2, k2, rq2, rk2, G2, PER_CHANNEL, PREC_IN)
+        A22, P22 = _diag_block(q2, k2, rq2, rk2, G2, r2, PER_CHANNEL, PREC_IN, PREC_ACC)
         A20, P20 = _off_block(q2, k2, rq2, rk2, G2, k0, rk0, G0, r2, PER_CHANNEL, PREC_IN, PREC_ACC)
         A21, P21 = _off_block(q2, k2, rq2, rk2, G2, k1, rk1, G1, r2, PER_CHANNEL, PREC_IN, PREC_ACC)
-        _store_p_block(P_ws, scale * P20, t0, 2 * SUB, 0, L, hv, HV, C)
-        _store_p_block(P_ws, scale * P21, t0, 2 * SUB, SUB, L, hv, HV, C)
-        _store_p_block(P_ws, scale * P22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
+        _store_block(P_ws, scale * P20, t0, 2 * SUB, 0, L, hv, HV, C)
+        _store_block(P_ws, scale * P21, t0, 2 * SUB, SUB, L, hv, HV, C)
+        _store_block(P_ws, scale * P22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
         I22 = _invert_unit_lower16(b2[:, None] * A22)
         M21 = b2[:, None] * A21
         I21 = -_mm(I22, _mm(M21, I11))
         I20 = -_mm(I22, _mm(b2[:, None] * A20, I00) + _mm(M21, I10))
-        X2, c2 = _w_operand(k2, rk2, G2, PER_CHANNEL)
-        c2 *= b2
-        v2 = _load_rows(v, tok + 2 * SUB, r + 2 * SUB < L, s_vt, s_vv, V, BV)
-        U2 = (_dot(I20 * b0[None, :], v0, PREC_ACC) + _dot(I21 * b1[None, :], v1, PREC_ACC)
-              + _dot(I22 * b2[None, :], v2, PREC_ACC))
-        W2 = (_dot(I20 * c0[None, :], X0, PREC_ACC) + _dot(I21 * c1[None, :], X1, PREC_ACC)
-              + _dot(I22 * c2[None, :], X2, PREC_ACC))
-        _store_rows(U_ws, U2, tok + 2 * SUB, r + 2 * SUB < L, hv, HV, V, BV)
-        _store_rows(W_ws, W2, tok + 2 * SUB, r + 2 * SUB < L, hv, HV, K, BK)
+        _store_block(Minv_ws, I20, t0, 2 * SUB, 0, L, hv, HV, C)
+        _store_block(Minv_ws, I21, t0, 2 * SUB, SUB, L, hv, HV, C)
+        _store_block(Minv_ws, I22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
 
         q3, k3, rq3, rk3, G3, b3, _ = _load_sub(
             q, k, g, beta, t0, 3 * SUB, L, r3, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
             K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        A33, P33 = _diag_block(q3, k3, rq3, rk3, G3, PER_CHANNEL, PREC_IN)
+        A33, P33 = _diag_block(q3, k3, rq3, rk3, G3, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
         A30, P30 = _off_block(q3, k3, rq3, rk3, G3, k0, rk0, G0, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
         A31, P31 = _off_block(q3, k3, rq3, rk3, G3, k1, rk1, G1, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
         A32, P32 = _off_block(q3, k3, rq3, rk3, G3, k2, rk2, G2, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
-        _store_p_block(P_ws, scale * P30, t0, 3 * SUB, 0, L, hv, HV, C)
-        _store_p_block(P_ws, scale * P31, t0, 3 * SUB, SUB, L, hv, HV, C)
-        _store_p_block(P_ws, scale * P32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
-        _store_p_block(P_ws, scale * P33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
+        _store_block(P_ws, scale * P30, t0, 3 * SUB, 0, L, hv, HV, C)
+        _store_block(P_ws, scale * P31, t0, 3 * SUB, SUB, L, hv, HV, C)
+        _store_block(P_ws, scale * P32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
+        _store_block(P_ws, scale * P33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
         I33 = _invert_unit_lower16(b3[:, None] * A33)
         M31 = b3[:, None] * A31
         M32 = b3[:, None] * A32
         I32 = -_mm(I33, _mm(M32, I22))
         I31 = -_mm(I33, _mm(M31, I11) + _mm(M32, I21))
         I30 = -_mm(I33, _mm(b3[:, None] * A30, I00) + _mm(M31, I10) + _mm(M32, I20))
-        X3, c3 = _w_operand(k3, rk3, G3, PER_CHANNEL)
-        c3 *= b3
-        v3 = _load_rows(v, tok + 3 * SUB, r + 3 * SUB < L, s_vt, s_vv, V, BV)
-        U3 = (_dot(I30 * b0[None, :], v0, PREC_ACC) + _dot(I31 * b1[None, :], v1, PREC_ACC)
-              + _dot(I32 * b2[None, :], v2, PREC_ACC) + _dot(I33 * b3[None, :], v3, PREC_ACC))
-        W3 = (_dot(I30 * c0[None, :], X0, PREC_ACC) + _dot(I31 * c1[None, :], X1, PREC_ACC)
-              + _dot(I32 * c2[None, :], X2, PREC_ACC) + _dot(I33 * c3[None, :], X3, PREC_ACC))
-        _store_rows(U_ws, U3, tok + 3 * SUB, r + 3 * SUB < L, hv, HV, V, BV)
-        _store_rows(W_ws, W3, tok + 3 * SUB, r + 3 * SUB < L, hv, HV, K, BK)
+        _store_block(Minv_ws, I30, t0, 3 * SUB, 0, L, hv, HV, C)
+        _store_block(Minv_ws, I31, t0, 3 * SUB, SUB, L, hv, HV, C)
+        _store_block(Minv_ws, I32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
+        _store_block(Minv_ws, I33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
 
 
 # ---------------------------------------------------------------------------------------------
-# kernel 2: the sequential pass over chunks, state in registers
+# kernel 2: W and U~ of every chunk
+
+
+@triton.jit
+def _delta_wu_kernel(
+    k, v, g, beta, A_log, dt_bias, lower_bound,
+    cu_seqlens, chunk_table, state_indices,
+    Minv_ws, W_ws, U_ws,
+    s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr,
+):
+    """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|)
+    as two C-row products over the whole chunk, M^-1 read back from the workspace."""
+    i_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(chunk_table + 2 * i_c)
+    live = n >= 0
+    if HAS_SLOTS:
+        live = live & (tl.load(state_indices + tl.maximum(n, 0)) >= 0)
+    if live:
+        c = tl.load(chunk_table + 2 * i_c + 1)
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        t0 = bos + c * C
+        rows = tl.arange(0, C)
+        tok = t0 + rows
+        rmask = tok < eos
+        Minv = tl.load(Minv_ws + (tok[:, None] * HV + hv) * C + rows[None, :],
+                       mask=rmask[:, None] & (rows[None, :] <= rows[:, None]), other=0.0)
+        b = tl.load(beta + hv * s_bh + tok * s_bt, mask=rmask, other=0.0).to(tl.float32)
+        if BETA_LOGITS:
+            b = tl.sigmoid(b)
+        b = tl.where(rmask, b, 0.0)
+        vv = _load_rows(v + hv * s_vh, tok, rmask, s_vt, s_vv, V, BV)
+        _store_rows(U_ws, _dot(Minv * b[None, :], vv, PREC_ACC), tok, rmask, hv, HV, V, BV)
+
+        A = 0.0
+        if FUSED_GATE:
+            A = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        kk = _load_rows(k + (hv // GROUP) * s_kh, tok, rmask, s_kt, s_kk, K, BK)
+        gg = _log_decay_rows(g + hv * s_gh, tok, rmask, s_gt, s_gk, A, dt_bias + hv * (K if PER_CHANNEL else 1),
+                             lower_bound, K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+        if PER_CHANNEL:
+            X = kk.to(tl.float32) * (_inv_norm(kk, QK_L2NORM)[:, None] * tl.exp(tl.cumsum(gg, 0)))
+            cw = b
+        else:
+            # the scalar row factors go to M^-1's columns: the raw k tile enters the product unrounded
+            X = kk
+            cw = b * _inv_norm(kk, QK_L2NORM) * tl.exp(tl.cumsum(gg.to(tl.float64), 0).to(tl.float32))
+        _store_rows(W_ws, _dot(Minv * cw[None, :], X, PREC_ACC), tok, rmask, hv, HV, K, BK)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel 3: the sequential pass over chunks, state in registers
 
 
 @triton.jit
@@ -609,7 +656,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     map_columns: 0, or K: the state (pool) and ``out`` then have V + K columns, the last K with
             zero values. Started from the identity there, they carry the segment's affine state
             map (context parallelism, ``cula_serve.dist.cp``) at the cost of wider state tiles
-            only: the intra-chunk kernel and its workspace see the V value columns alone.
+            only: the intra-chunk and W / U~ kernels and their workspace see the V value columns alone.
     K, V + map_columns <= 256. Returns ``out``.
     """
     if recipe.mode not in ("gdn", "kda"):
@@ -640,20 +687,26 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     W_ws = torch.empty(T, HV, K, dtype=ws_dtype, device=device)
     U_ws = torch.empty(T, HV, V, dtype=torch.float32, device=device)
     P_ws = torch.empty(T, HV, C, dtype=ws_dtype, device=device)
+    Minv_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
     common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
                   QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"],
                   **gate_flags)
 
     table = chunk_indices(cu_seqlens, T, C)
-    # 4 warps: on an H200 (bf16, K = V = 128, 4 x 8192 tokens, whole prefill) 8 took 6.03 ms for
-    # GDN and 35.3 ms for KDA against 5.68 and 22.4 with 4; with float32 inputs 8 warps spill
-    # about 10 KB per thread (tf32x3 products), 4 about 3 KB.
-    _delta_intra_kernel[(max_chunks(T, N, C), HV)](
-        q, k, v, g, beta, A_log, dt_bias, lower_bound, recipe.scale,
-        cu_seqlens, table, slots, W_ws, U_ws, P_ws,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        V=V, BV=BV_full, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
-        num_warps=4, num_stages=1, **common)
+    grid = (max_chunks(T, N, C), HV)
+    gate_args = (A_log, dt_bias, lower_bound)
+    # Warps timed on an H200 (bf16, K = V = 128, 4 x 8192 tokens, whole prefill): GDN 4.05 ms with
+    # 4, 5.17 with 2, 5.79 with 8; KDA 12.7 ms with 2, 17.9 with 4, 27.6 with 8. float32 inputs
+    # (tf32x3 products, twice the operand tiles) keep 4.
+    intra_warps = 2 if per_channel and prec["PREC_IN"] != "tf32x3" else 4
+    _delta_intra_kernel[grid](
+        q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
+        *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
+        BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"], num_warps=intra_warps, num_stages=1, **common)
+    _delta_wu_kernel[grid](
+        k, v, g, beta, *gate_args, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws,
+        *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+        V=V, BV=BV_full, BETA_LOGITS=recipe.beta_logits, num_warps=4, num_stages=1, **common)
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
