@@ -167,6 +167,31 @@ def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
     return tl.where(mask, a, 0.0)
 
 
+@triton.jit
+def _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """(live, t0, eos) of global chunk ``i_c``: its first token and its sequence's end. Not live:
+    the table's padding entries and chunks of padding sequences (negative slot), which read and
+    write nothing."""
+    n = tl.load(chunk_table + 2 * i_c)
+    live = n >= 0
+    n = tl.maximum(n, 0)
+    if HAS_SLOTS:
+        live = live & (tl.load(state_indices + n) >= 0)
+    c = tl.load(chunk_table + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    return live, bos + c * C, tl.load(cu_seqlens + n + 1).to(tl.int64)
+
+
+@triton.jit
+def _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS: tl.constexpr):
+    """beta of rows ``tok`` (``beta`` points at the value head), sigmoid of logits with
+    BETA_LOGITS; exactly zero on masked rows."""
+    b = tl.load(beta + tok * s_bt, mask=rmask, other=0.0).to(tl.float32)
+    if BETA_LOGITS:
+        b = tl.sigmoid(b)
+    return tl.where(rmask, b, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # kernel 1: P and M^-1 of every chunk (nothing here depends on the state)
 
@@ -196,10 +221,7 @@ def _load_sub(q, k, g, beta, t0, row0, L, carry, s_qt, s_qk, s_kt, s_kk, s_gt, s
     else:
         gg = gg.to(tl.float64)
         G = tl.cumsum(gg, 0) + carry
-    b = tl.load(beta + tok * s_bt, mask=rmask, other=0.0).to(tl.float32)
-    if BETA_LOGITS:
-        b = tl.sigmoid(b)
-    b = tl.where(rmask, b, 0.0)
+    b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
     return qq, kk, _inv_norm(qq, QK_L2NORM), _inv_norm(kk, QK_L2NORM), G, b, carry + tl.sum(gg, 0)
 
 
@@ -322,15 +344,8 @@ def _delta_intra_kernel(
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // GROUP
-    n = tl.load(chunk_table + 2 * i_c)
-    live = n >= 0
-    if HAS_SLOTS:
-        live = live & (tl.load(state_indices + tl.maximum(n, 0)) >= 0)  # padding: nothing to do
+    live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
-        c = tl.load(chunk_table + 2 * i_c + 1)
-        bos = tl.load(cu_seqlens + n).to(tl.int64)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-        t0 = bos + c * C
         L = tl.minimum(eos - t0, C).to(tl.int32)
         q += h * s_qh
         k += h * s_kh
@@ -431,24 +446,14 @@ def _delta_wu_kernel(
     as two C-row products over the whole chunk, M^-1 read back from the workspace."""
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
-    n = tl.load(chunk_table + 2 * i_c)
-    live = n >= 0
-    if HAS_SLOTS:
-        live = live & (tl.load(state_indices + tl.maximum(n, 0)) >= 0)
+    live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
-        c = tl.load(chunk_table + 2 * i_c + 1)
-        bos = tl.load(cu_seqlens + n).to(tl.int64)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-        t0 = bos + c * C
         rows = tl.arange(0, C)
         tok = t0 + rows
         rmask = tok < eos
         Minv = tl.load(Minv_ws + (tok[:, None] * HV + hv) * C + rows[None, :],
                        mask=rmask[:, None] & (rows[None, :] <= rows[:, None]), other=0.0)
-        b = tl.load(beta + hv * s_bh + tok * s_bt, mask=rmask, other=0.0).to(tl.float32)
-        if BETA_LOGITS:
-            b = tl.sigmoid(b)
-        b = tl.where(rmask, b, 0.0)
+        b = _load_beta(beta + hv * s_bh, tok, rmask, s_bt, BETA_LOGITS)
         vv = _load_rows(v + hv * s_vh, tok, rmask, s_vt, s_vv, V, BV)
         _store_rows(U_ws, _dot(Minv * b[None, :], vv, PREC_ACC), tok, rmask, hv, HV, V, BV)
 
