@@ -137,6 +137,16 @@ def _load_rows(ptr, tok, rmask, s_t, s_d, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
+def _head_gate(A_log, dt_bias, hv, K: tl.constexpr, PER_CHANNEL: tl.constexpr, FUSED_GATE: tl.constexpr):
+    """The fused gate's parameters of value head ``hv``: A = exp(A_log[hv]) (0 without a fused
+    gate) and ``dt_bias`` moved to the head ([K] values for KDA, one for GDN)."""
+    A = 0.0
+    if FUSED_GATE:
+        A = tl.exp(tl.load(A_log + hv).to(tl.float32))
+    return A, dt_bias + hv * (K if PER_CHANNEL else 1)
+
+
+@triton.jit
 def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
                     K: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
                     FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr):
@@ -351,14 +361,10 @@ def _delta_intra_kernel(
         k += h * s_kh
         g += hv * s_gh
         beta += hv * s_bh
-        A = 0.0
-        if FUSED_GATE:
-            A = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, PER_CHANNEL, FUSED_GATE)
         if PER_CHANNEL:
-            dt_bias += hv * K
             r0 = tl.zeros([BK], dtype=tl.float32)
         else:
-            dt_bias += hv
             r0 = tl.zeros([], dtype=tl.float64)
 
         # Row block by row block (sub-chunk i = rows 16 i .. 16 i + 15), so that A and P die as
@@ -457,12 +463,10 @@ def _delta_wu_kernel(
         vv = _load_rows(v + hv * s_vh, tok, rmask, s_vt, s_vv, V, BV)
         _store_rows(U_ws, _dot(Minv * b[None, :], vv, PREC_ACC), tok, rmask, hv, HV, V, BV)
 
-        A = 0.0
-        if FUSED_GATE:
-            A = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, PER_CHANNEL, FUSED_GATE)
         kk = _load_rows(k + (hv // GROUP) * s_kh, tok, rmask, s_kt, s_kk, K, BK)
-        gg = _log_decay_rows(g + hv * s_gh, tok, rmask, s_gt, s_gk, A, dt_bias + hv * (K if PER_CHANNEL else 1),
-                             lower_bound, K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+        gg = _log_decay_rows(g + hv * s_gh, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
+                             K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
         if PER_CHANNEL:
             X = kk.to(tl.float32) * (_inv_norm(kk, QK_L2NORM)[:, None] * tl.exp(tl.cumsum(gg, 0)))
             cw = b
@@ -527,13 +531,7 @@ def _delta_state_kernel(
         q += h * s_qh
         k += h * s_kh
         g += hv * s_gh
-        A = 0.0
-        if FUSED_GATE:
-            A = tl.exp(tl.load(A_log + hv).to(tl.float32))
-        if PER_CHANNEL:
-            dt_bias += hv * K
-        else:
-            dt_bias += hv
+        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, PER_CHANNEL, FUSED_GATE)
         for t0 in range(bos, eos, C):
             tok = t0 + rows
             rmask = tok < eos
