@@ -19,15 +19,19 @@ Launches per call: four.
 0. ``kernels.common.varlen.chunk_indices``: the (sequence, chunk) of every global chunk id, on
    the device (no host synchronisation).
 1. ``_delta_intra_kernel``, grid (T // C + N, HV): one program per (chunk, value head), all
-   independent. Loads q, k, the gate and beta of its chunk once in 16-row sub-chunks, applies
-   l2norm, the fused gate, the in-chunk cumulative sum and the beta sigmoid in registers, builds
-   A and P in 16 x 16 blocks, inverts M by blocks (block doubling within each of the four diagonal
-   blocks, then (M^-1)_ij = -(M^-1)_ii sum_m M_im (M^-1)_mj) and writes the lower blocks of P and
-   of M^-1 [T, HV, C] to a workspace.
-2. ``_delta_wu_kernel``, same grid: U~ = M^-1 diag(beta) V and W as two C-row products over the
-   whole chunk, into W [T, HV, K] and U~ [T, HV, V]. A separate launch because inside kernel 1
-   the products (there 20 small ones, per sub-chunk) kept every v and k tile live and spilled:
-   GDN 4 x 8192 on an H200 went from 6.01 to 4.05 ms with the split.
+   independent. Applies l2norm, the fused gate, the in-chunk cumulative sum and the beta sigmoid
+   in registers and writes P and N = M - I (strictly lower, float32) of its chunk to [T, HV, C]
+   workspaces: GDN as two whole-chunk products (q k^T, k k^T) times one C x C decay matrix; KDA,
+   whose per-channel decays only factor safely across sub-chunk boundaries (below), in 16 x 16
+   blocks, 16 rows at a time. After a barrier it reads N back in blocks and writes M^-1 in its
+   place (block doubling within each of the four diagonal blocks, then
+   (M^-1)_ij = -(M^-1)_ii sum_m N_im (M^-1)_mj). Holding the q, k tiles and every block of A in
+   registers until the solve spilled: GDN 4 x 8192 on an H200 took 1.80 ms in this kernel with
+   16-row blocks, 0.98 with whole-chunk products and the solve from the workspace.
+2. ``_delta_wu_kernel``, same grid: U~ = M^-1 diag(beta) V and W as C-row products over the
+   whole chunk in column tiles of 32, into W [T, HV, K] and U~ [T, HV, V]. A separate launch
+   because inside kernel 1 the products kept every v and k tile live and spilled (GDN 4 x 8192
+   on an H200 went from 6.01 to 4.05 ms with the split).
 3. ``_delta_state_kernel``, grid (N, HV, V / BV): one program per (sequence, value head, V
    tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. Per chunk it
    rereads q, k and the gate (recomputing l2norm, gate and cumulative sum is cheaper than a
@@ -36,7 +40,8 @@ Launches per call: four.
    checkpoints; FLA's chunk_h writes every chunk's state, this never does.
 
 Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
-workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2).
+workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2;
+N's round trip inside kernel 1 stays in L2).
 With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
 workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
 heads).
@@ -44,20 +49,26 @@ heads).
 Numerics of the gate. exp(G_t - G_s) <= 1 for s <= t, but exp(-G_s) alone overflows float32
 once a chunk's gates sum below about -88, which KDA's unbounded per-channel gate reaches easily.
 Nothing here forms exp(-G) alone:
-  - off-diagonal 16 x 16 blocks (rows t in sub-chunk i, columns s in sub-chunk j < i) split the
-    decay at the cumulative gate r_i at the end of sub-chunk i - 1:
+  - KDA's off-diagonal 16 x 16 blocks (rows t in sub-chunk i, columns s in sub-chunk j < i)
+    split the decay at the cumulative gate r_i at the end of sub-chunk i - 1:
         exp(G_t - G_s) = exp(G_t - r_i) * exp(r_i - G_s),
     both factors <= 1 since G is non-increasing (t comes after r_i's row, s before it). The block
     is then one tensor-core product of two decayed tiles; a factor can only underflow when the
     true product is smaller still.
-  - diagonal blocks split the decay the same way at r_i, the gate before the sub-chunk: then
+  - KDA's diagonal blocks split the decay the same way at r_i, the gate before the sub-chunk: then
     exp(G_t - r_i) <= 1 and exp(r_i - G_s) >= 1, which is safe while the sub-chunk's gates span
     less than FACTOR_SPAN = 80 in every channel (e^80 ~ 5.5e34). A sub-chunk that spans more
     (decays below e^-80 within 16 tokens) takes the exact path instead, one key column s at a
     time: exp(G_t - G_s) over the rows t >= s, elementwise (16 x K per column). The choice is
     made on the device, per sub-chunk.
-  - W uses exp(G_t) <= 1, the state update exp(G_C - G_t) <= 1 and exp(G_C) <= 1.
-  - GDN's scalar decays are 16 x 16 matrices exp(G_t - G_s), masked to s <= t before the
+  - W uses exp(G_t) <= 1, the state update exp(G_C - G_t) <= 1 and exp(G_C) <= 1. With float32
+    inputs KDA sums G_C - G_t from the gates after t (a reverse cumulative sum) instead of taking
+    the difference: its float32 sums reach |G_C| in the hundreds, and the difference's rounding
+    left relative errors of ~1e-5 in the decays near 1 of a chunk's last tokens (the final
+    states missed the 1e-5 tolerance on an H200: 1.4e-5 to 1.7e-5). The second scan is the
+    serial pass's costliest step (KDA 4 x 8192, bf16: state pass 2.85 -> 5.37 ms), so bf16 and
+    fp16 inputs, whose tolerance is 5e-3, keep the difference.
+  - GDN's scalar decays are one C x C matrix exp(G_t - G_s), masked to s <= t before the
     exponential. Its cumulative sums run in float64 (a few scalars per token): with strong
     decays |G| reaches the thousands within a chunk, and float32 sums would leave absolute
     errors of ~1e-4 in G_t - G_s, which the exponential turns into relative errors.
@@ -90,8 +101,9 @@ from ..common.varlen import chunk_indices, max_chunks
 SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
 EPS = tl.constexpr(L2NORM_EPS)
 # KDA diagonal blocks go to the tensor cores while exp(span) stays far from float32's 3.4e38 (e^88)
-FACTOR_SPAN = tl.constexpr(80.0)
+FACTOR_SPAN = 80.0
 MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
+WU_TILE = 32  # columns of W and U~ per product in the W / U~ kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,11 +141,18 @@ def _softplus(x):
 
 
 @triton.jit
-def _load_rows(ptr, tok, rmask, s_t, s_d, D: tl.constexpr, BD: tl.constexpr):
-    """Rows ``tok`` [R] of one head (``ptr`` points at it) of a token-major tensor: an [R, BD]
-    tile in the tensor's dtype; masked rows and padded columns read as zero."""
-    d = tl.arange(0, BD)
+def _load_tile(ptr, tok, rmask, s_t, s_d, c0, D: tl.constexpr, BD: tl.constexpr):
+    """Rows ``tok`` [R], columns c0 .. c0 + BD - 1 of one head (``ptr`` points at it) of a
+    token-major tensor with D columns: an [R, BD] tile in the tensor's dtype; masked rows and
+    columns past D read as zero."""
+    d = c0 + tl.arange(0, BD)
     return tl.load(ptr + tok[:, None] * s_t + d[None, :] * s_d, mask=rmask[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_rows(ptr, tok, rmask, s_t, s_d, D: tl.constexpr, BD: tl.constexpr):
+    """Rows ``tok`` [R] of one head, all D columns (as BD >= D): ``_load_tile`` at column 0."""
+    return _load_tile(ptr, tok, rmask, s_t, s_d, 0, D, BD)
 
 
 @triton.jit
@@ -147,18 +166,18 @@ def _head_gate(A_log, dt_bias, hv, K: tl.constexpr, PER_CHANNEL: tl.constexpr, F
 
 
 @triton.jit
-def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
+def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
                     K: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
                     FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr):
-    """Log decay of rows ``tok`` of one value head (``g``, ``dt_bias`` point at it): [R, BK] (KDA)
-    or [R] (GDN), float32, exactly zero on masked rows and padded channels so that they neither
-    decay the state nor count in the cumulative sums.
+    """Log decay of rows ``tok`` of one value head (``g``, ``dt_bias`` point at it): [R, BK] for
+    channels c0 .. c0 + BK - 1 (KDA) or [R] (GDN, c0 unused), float32, exactly zero on masked
+    rows and channels past K so that they neither decay the state nor count in the sums.
 
     With FUSED_GATE, ``g`` holds the raw projection a and A = exp(A_log[hv]):
     -A * softplus(a + dt_bias), or the safe gate lower_bound * sigmoid(A * (a + dt_bias)).
     """
     if PER_CHANNEL:
-        kk = tl.arange(0, BK)
+        kk = c0 + tl.arange(0, BK)
         mask = rmask[:, None] & (kk < K)[None, :]
         a = tl.load(g + tok[:, None] * s_gt + kk[None, :] * s_gk, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -209,28 +228,24 @@ def _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS: tl.constexpr):
 @triton.jit
 def _load_sub(q, k, g, beta, t0, row0, L, carry, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt,
               A, dt_bias, lower_bound,
-              K: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr,
+              K: tl.constexpr, BK: tl.constexpr, QK_L2NORM: tl.constexpr,
               FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
               BETA_LOGITS: tl.constexpr):
-    """Rows row0 .. row0 + 15 of the chunk starting at token t0 (L valid rows); the pointers are
-    at the program's qk head (q, k) and value head (g, beta, dt_bias).
+    """KDA: rows row0 .. row0 + 15 of the chunk starting at token t0 (L valid rows); the pointers
+    are at the program's qk head (q, k) and value head (g, beta, dt_bias).
 
-    Returns q, k [16, BK] as loaded, their inverse row norms [16], G [16, BK] (KDA, float32) or
-    [16] (GDN, float64): the cumulative log gate from the chunk start (``carry`` is its value
-    before row0), beta [16], and the carry after the sub-chunk.
+    Returns q, k [16, BK] as loaded, their inverse row norms [16], G [16, BK] float32: the
+    cumulative log gate from the chunk start (``carry`` [BK] is its value before row0), beta [16],
+    and the carry after the sub-chunk.
     """
     r = row0 + tl.arange(0, SUB)
     rmask = r < L
     tok = t0 + r
     qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
     kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
-    gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
-                         K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
-    if PER_CHANNEL:
-        G = tl.cumsum(gg, 0) + carry[None, :]
-    else:
-        gg = gg.to(tl.float64)
-        G = tl.cumsum(gg, 0) + carry
+    gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
+                         K, BK, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+    G = tl.cumsum(gg, 0) + carry[None, :]
     b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
     return qq, kk, _inv_norm(qq, QK_L2NORM), _inv_norm(kk, QK_L2NORM), G, b, carry + tl.sum(gg, 0)
 
@@ -248,55 +263,154 @@ def _factored_products(qi, ki, rqi, rki, Gi, kj, rkj, Gj, ref, PREC_ACC: tl.cons
 
 
 @triton.jit
-def _diag_block(qi, ki, rqi, rki, Gi, ref, PER_CHANNEL: tl.constexpr, PREC_IN: tl.constexpr,
-                PREC_ACC: tl.constexpr):
-    """A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16 block.
-    ``ref`` is the cumulative gate before the sub-chunk (KDA only)."""
+def _diag_block(qi, ki, rqi, rki, Gi, ref, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr):
+    """KDA: A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16
+    block. ``ref`` is the cumulative gate before the sub-chunk.
+
+    Split at ref, the factors are exp(G_t - ref) <= 1 and exp(ref - G_s) >= 1: safe while the
+    sub-chunk's gates span less than FACTOR_SPAN in every channel (the usual case). Otherwise the
+    exact pairwise decays, one key column s at a time: exp(G_t - G_s) for rows t >= s only."""
     r = tl.arange(0, SUB)
-    if PER_CHANNEL:
-        # Split at ref, the factors are exp(G_t - ref) <= 1 and exp(ref - G_s) >= 1: safe while
-        # the sub-chunk's gates span less than FACTOR_SPAN in every channel (the usual case: it
-        # takes decays below e^-80 within 16 tokens to leave it). Otherwise the exact pairwise
-        # decays, one key column s at a time: exp(G_t - G_s) for rows t >= s only.
-        if tl.max(tl.max(tl.abs(Gi - ref[None, :]), 1), 0) < FACTOR_SPAN:
-            A, P = _factored_products(qi, ki, rqi, rki, Gi, ki, rki, Gi, ref, PREC_ACC)
-        else:
-            qf = qi.to(tl.float32) * rqi[:, None]
-            kf = ki.to(tl.float32) * rki[:, None]
-            A = tl.zeros([SUB, SUB], dtype=tl.float32)
-            P = tl.zeros([SUB, SUB], dtype=tl.float32)
-            for s in range(SUB):  # not unrolled: bounded live ranges
-                pick = (r == s)[:, None]
-                k_s = tl.sum(tl.where(pick, kf, 0.0), 0)
-                G_s = tl.sum(tl.where(pick, Gi, 0.0), 0)
-                decayed = tl.exp(tl.where((r >= s)[:, None], Gi - G_s[None, :], 0.0)) * k_s[None, :]
-                col = (r == s)[None, :]
-                A = tl.where(col, tl.sum(kf * decayed, 1)[:, None], A)
-                P = tl.where(col, tl.sum(qf * decayed, 1)[:, None], P)
+    if tl.max(tl.max(tl.abs(Gi - ref[None, :]), 1), 0) < FACTOR_SPAN:
+        A, P = _factored_products(qi, ki, rqi, rki, Gi, ki, rki, Gi, ref, PREC_ACC)
     else:
-        decay = tl.exp(tl.where(r[:, None] >= r[None, :], Gi[:, None] - Gi[None, :], 0.0).to(tl.float32))
-        kt = tl.trans(ki)
-        A = _dot(ki, kt, PREC_IN) * (decay * rki[:, None] * rki[None, :])
-        P = _dot(qi, kt, PREC_IN) * (decay * rqi[:, None] * rki[None, :])
+        qf = qi.to(tl.float32) * rqi[:, None]
+        kf = ki.to(tl.float32) * rki[:, None]
+        A = tl.zeros([SUB, SUB], dtype=tl.float32)
+        P = tl.zeros([SUB, SUB], dtype=tl.float32)
+        for s in range(SUB):  # not unrolled: bounded live ranges
+            pick = (r == s)[:, None]
+            k_s = tl.sum(tl.where(pick, kf, 0.0), 0)
+            G_s = tl.sum(tl.where(pick, Gi, 0.0), 0)
+            decayed = tl.exp(tl.where((r >= s)[:, None], Gi - G_s[None, :], 0.0)) * k_s[None, :]
+            col = (r == s)[None, :]
+            A = tl.where(col, tl.sum(kf * decayed, 1)[:, None], A)
+            P = tl.where(col, tl.sum(qf * decayed, 1)[:, None], P)
     A = tl.where(r[:, None] > r[None, :], A, 0.0)
     P = tl.where(r[:, None] >= r[None, :], P, 0.0)
     return A, P
 
 
 @triton.jit
-def _off_block(qi, ki, rqi, rki, Gi, kj, rkj, Gj, ref, PER_CHANNEL: tl.constexpr,
-               PREC_IN: tl.constexpr, PREC_ACC: tl.constexpr):
-    """A and P / scale of the block of rows in sub-chunk i and columns in an earlier sub-chunk j.
-    ``ref`` is the cumulative gate at the end of sub-chunk i - 1 (KDA only)."""
-    if PER_CHANNEL:
-        # both factors <= 1 here: t comes after ref's row, s before it
-        A, P = _factored_products(qi, ki, rqi, rki, Gi, kj, rkj, Gj, ref, PREC_ACC)
-    else:
-        decay = tl.exp((Gi[:, None] - Gj[None, :]).to(tl.float32))
-        kt = tl.trans(kj)
-        A = _dot(ki, kt, PREC_IN) * (decay * rki[:, None] * rkj[None, :])
-        P = _dot(qi, kt, PREC_IN) * (decay * rqi[:, None] * rkj[None, :])
-    return A, P
+def _store_pair(P_ws, N_ws, A, P, b, scale, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
+    """Block (row0, col0) of a chunk's P (times ``scale``) and of N = diag(beta) A."""
+    _store_block(P_ws, scale * P, t0, row0, col0, L, hv, HV, C)
+    _store_block(N_ws, b[:, None] * A, t0, row0, col0, L, hv, HV, C)
+
+
+@triton.jit
+def _kda_blocks(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
+                s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt,
+                HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr, PREC_ACC: tl.constexpr,
+                FACTOR_SPAN: tl.constexpr):
+    """KDA's P and N = M - I of one chunk in 16 x 16 blocks, sub-chunk by sub-chunk (rows
+    16 i .. 16 i + 15), into the workspaces: per-channel decays only factor safely across a
+    sub-chunk boundary (module docstring). Off-diagonal blocks (i, j < i) split the decay at r_i,
+    the cumulative gate at the end of sub-chunk i - 1."""
+    r0 = tl.zeros([BK], dtype=tl.float32)
+    q0, k0, rq0, rk0, G0, b0, r1 = _load_sub(
+        q, k, g, beta, t0, 0, L, r0, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+        K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+    A00, P00 = _diag_block(q0, k0, rq0, rk0, G0, r0, PREC_ACC, FACTOR_SPAN)
+    _store_pair(P_ws, Minv_ws, A00, P00, b0, scale, t0, 0, 0, L, hv, HV, C)
+
+    q1, k1, rq1, rk1, G1, b1, r2 = _load_sub(
+        q, k, g, beta, t0, SUB, L, r1, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+        K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+    A11, P11 = _diag_block(q1, k1, rq1, rk1, G1, r1, PREC_ACC, FACTOR_SPAN)
+    _store_pair(P_ws, Minv_ws, A11, P11, b1, scale, t0, SUB, SUB, L, hv, HV, C)
+    A10, P10 = _factored_products(q1, k1, rq1, rk1, G1, k0, rk0, G0, r1, PREC_ACC)
+    _store_pair(P_ws, Minv_ws, A10, P10, b1, scale, t0, SUB, 0, L, hv, HV, C)
+
+    q2, k2, rq2, rk2, G2, b2, r3 = _load_sub(
+        q, k, g, beta, t0, 2 * SUB, L, r2, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+        K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+    A22, P22 = _diag_block(q2, k2, rq2, rk2, G2, r2, PREC_ACC, FACTOR_SPAN)
+    _store_pair(P_ws, Minv_ws, A22, P22, b2, scale, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
+    A20, P20 = _factored_products(q2, k2, rq2, rk2, G2, k0, rk0, G0, r2, PREC_ACC)
+    _store_pair(P_ws, Minv_ws, A20, P20, b2, scale, t0, 2 * SUB, 0, L, hv, HV, C)
+    A21, P21 = _factored_products(q2, k2, rq2, rk2, G2, k1, rk1, G1, r2, PREC_ACC)
+    _store_pair(P_ws, Minv_ws, A21, P21, b2, scale, t0, 2 * SUB, SUB, L, hv, HV, C)
+
+    q3, k3, rq3, rk3, G3, b3, _ = _load_sub(
+        q, k, g, beta, t0, 3 * SUB, L, r3, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+        K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+    A33, P33 = _diag_block(q3, k3, rq3, rk3, G3, r3, PREC_ACC, FACTOR_SPAN)
+    _store_pair(P_ws, Minv_ws, A33, P33, b3, scale, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
+    A30, P30 = _factored_products(q3, k3, rq3, rk3, G3, k0, rk0, G0, r3, PREC_ACC)
+    _store_pair(P_ws, Minv_ws, A30, P30, b3, scale, t0, 3 * SUB, 0, L, hv, HV, C)
+    A31, P31 = _factored_products(q3, k3, rq3, rk3, G3, k1, rk1, G1, r3, PREC_ACC)
+    _store_pair(P_ws, Minv_ws, A31, P31, b3, scale, t0, 3 * SUB, SUB, L, hv, HV, C)
+    A32, P32 = _factored_products(q3, k3, rq3, rk3, G3, k2, rk2, G2, r3, PREC_ACC)
+    _store_pair(P_ws, Minv_ws, A32, P32, b3, scale, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
+
+
+@triton.jit
+def _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
+                       s_qt, s_qk, s_kt, s_kk, s_gt, s_bt,
+                       HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                       QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                       SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr, PREC_IN: tl.constexpr):
+    """GDN's P and N = M - I of one chunk into the workspaces, as two whole-chunk products of the
+    raw q and k tiles: a scalar gate's decays exp(G_t - G_s) form one C x C matrix, applied to
+    the products with the l2norm and beta row and column factors. G runs in float64 (module
+    docstring)."""
+    rows = tl.arange(0, C)
+    rmask = rows < L
+    tok = t0 + rows
+    qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
+    kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
+    rk = _inv_norm(kk, QK_L2NORM)
+    G = tl.cumsum(_log_decay_rows(g, tok, rmask, s_gt, 0, A, dt_bias, lower_bound, 0, K, BK, False,
+                                  FUSED_GATE, HAS_DT_BIAS, SAFE_GATE).to(tl.float64), 0)
+    lower = rows[:, None] >= rows[None, :]
+    decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0).to(tl.float32)) * rk[None, :]
+    kt = tl.trans(kk)
+    P = _dot(qq, kt, PREC_IN) * decay * (scale * _inv_norm(qq, QK_L2NORM))[:, None]
+    _store_rows(P_ws, tl.where(lower, P, 0.0), tok, rmask, hv, HV, C, C)
+    b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
+    N = _dot(kk, kt, PREC_IN) * decay * (b * rk)[:, None]
+    _store_rows(Minv_ws, tl.where(rows[:, None] > rows[None, :], N, 0.0), tok, rmask, hv, HV, C, C)
+
+
+@triton.jit
+def _store_tile(ptr, x, tok, rmask, hv, c0, HV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Rows ``tok``, columns c0 .. c0 + BD - 1 (those < D) of a contiguous [T, HV, D] workspace."""
+    d = c0 + tl.arange(0, BD)
+    tl.store(ptr + (tok[:, None] * HV + hv) * D + d[None, :], x.to(ptr.dtype.element_ty),
+             mask=rmask[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _store_rows(ptr, x, tok, rmask, hv, HV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Whole rows of a contiguous [T, HV, D] workspace: ``_store_tile`` at column 0."""
+    _store_tile(ptr, x, tok, rmask, hv, 0, HV, D, BD)
+
+
+@triton.jit
+def _store_block(ws, x, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
+    """A 16 x 16 block at (row0, col0) of the chunk's [C, C] matrix in a [T, HV, C] workspace."""
+    r = row0 + tl.arange(0, SUB)
+    c = col0 + tl.arange(0, SUB)
+    tl.store(ws + ((t0 + r)[:, None] * HV + hv) * C + c[None, :], x.to(ws.dtype.element_ty),
+             mask=(r < L)[:, None])
+
+
+@triton.jit
+def _load_block(ws, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
+    """The 16 x 16 block at (row0, col0) of the chunk's [C, C] matrix in a [T, HV, C] float32
+    workspace; rows past the chunk's L valid ones read as zero."""
+    r = row0 + tl.arange(0, SUB)
+    c = col0 + tl.arange(0, SUB)
+    return tl.load(ws + ((t0 + r)[:, None] * HV + hv) * C + c[None, :], mask=(r < L)[:, None], other=0.0)
+
+
+@triton.jit
+def _mm(a, b):
+    """16 x 16 products of the block inversion, in IEEE float32: the solve sets the accuracy."""
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -315,26 +429,37 @@ def _invert_unit_lower16(N):
 
 
 @triton.jit
-def _mm(a, b):
-    """16 x 16 products of the block inversion, in IEEE float32: the solve sets the accuracy."""
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _store_rows(ptr, x, tok, rmask, hv, HV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """Rows of a contiguous [T, HV, D] workspace."""
-    d = tl.arange(0, BD)
-    tl.store(ptr + (tok[:, None] * HV + hv) * D + d[None, :], x.to(ptr.dtype.element_ty),
-             mask=rmask[:, None] & (d < D)[None, :])
-
-
-@triton.jit
-def _store_block(ws, x, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
-    """A 16 x 16 block at (row0, col0) of the chunk's [C, C] matrix in a [T, HV, C] workspace."""
-    r = row0 + tl.arange(0, SUB)
-    c = col0 + tl.arange(0, SUB)
-    tl.store(ws + ((t0 + r)[:, None] * HV + hv) * C + c[None, :], x.to(ws.dtype.element_ty),
-             mask=(r < L)[:, None])
+def _invert_chunk(ws, t0, L, hv, HV: tl.constexpr, C: tl.constexpr):
+    """M^-1 in place of N = M - I (strictly lower, float32 [C, C] rows of a [T, HV, C]
+    workspace), in 16 x 16 blocks: (M^-1)_ii by block doubling, then row block by row block
+    (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} N_im (M^-1)_mj. Writes the lower blocks only."""
+    N10 = _load_block(ws, t0, SUB, 0, L, hv, HV, C)
+    N20 = _load_block(ws, t0, 2 * SUB, 0, L, hv, HV, C)
+    N21 = _load_block(ws, t0, 2 * SUB, SUB, L, hv, HV, C)
+    N30 = _load_block(ws, t0, 3 * SUB, 0, L, hv, HV, C)
+    N31 = _load_block(ws, t0, 3 * SUB, SUB, L, hv, HV, C)
+    N32 = _load_block(ws, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
+    I00 = _invert_unit_lower16(_load_block(ws, t0, 0, 0, L, hv, HV, C))
+    I11 = _invert_unit_lower16(_load_block(ws, t0, SUB, SUB, L, hv, HV, C))
+    I22 = _invert_unit_lower16(_load_block(ws, t0, 2 * SUB, 2 * SUB, L, hv, HV, C))
+    I33 = _invert_unit_lower16(_load_block(ws, t0, 3 * SUB, 3 * SUB, L, hv, HV, C))
+    tl.debug_barrier()  # every warp has read N before any overwrites it
+    I10 = -_mm(I11, _mm(N10, I00))
+    I21 = -_mm(I22, _mm(N21, I11))
+    I20 = -_mm(I22, _mm(N20, I00) + _mm(N21, I10))
+    I32 = -_mm(I33, _mm(N32, I22))
+    I31 = -_mm(I33, _mm(N31, I11) + _mm(N32, I21))
+    I30 = -_mm(I33, _mm(N30, I00) + _mm(N31, I10) + _mm(N32, I20))
+    _store_block(ws, I00, t0, 0, 0, L, hv, HV, C)
+    _store_block(ws, I10, t0, SUB, 0, L, hv, HV, C)
+    _store_block(ws, I11, t0, SUB, SUB, L, hv, HV, C)
+    _store_block(ws, I20, t0, 2 * SUB, 0, L, hv, HV, C)
+    _store_block(ws, I21, t0, 2 * SUB, SUB, L, hv, HV, C)
+    _store_block(ws, I22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
+    _store_block(ws, I30, t0, 3 * SUB, 0, L, hv, HV, C)
+    _store_block(ws, I31, t0, 3 * SUB, SUB, L, hv, HV, C)
+    _store_block(ws, I32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
+    _store_block(ws, I33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
 
 
 @triton.jit
@@ -347,9 +472,10 @@ def _delta_intra_kernel(
     BK: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr, PREC_ACC: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
 ):
-    """One (chunk, value head): P and M^-1 of the chunk into the workspace (module docstring)."""
+    """One (chunk, value head): P and N = M - I of the chunk into the workspaces, then M^-1 in
+    place of N (module docstring)."""
     tl.static_assert(C == 4 * SUB)
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -363,73 +489,15 @@ def _delta_intra_kernel(
         beta += hv * s_bh
         A, dt_bias = _head_gate(A_log, dt_bias, hv, K, PER_CHANNEL, FUSED_GATE)
         if PER_CHANNEL:
-            r0 = tl.zeros([BK], dtype=tl.float32)
+            _kda_blocks(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
+                        s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, HV, K, BK, C, QK_L2NORM, FUSED_GATE,
+                        HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_ACC, FACTOR_SPAN)
         else:
-            r0 = tl.zeros([], dtype=tl.float64)
-
-        # Row block by row block (sub-chunk i = rows 16 i .. 16 i + 15), so that A and P die as
-        # soon as their row of M^-1 exists: load sub-chunk i, form A_ij and P_ij for j <= i,
-        # store P, then row i of M^-1 (M_ij = beta_i A_ij below the diagonal):
-        #   (M^-1)_ii by block doubling, (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} M_im (M^-1)_mj.
-        # r_i is the cumulative gate at the end of sub-chunk i - 1: the reference of row block i.
-        q0, k0, rq0, rk0, G0, b0, r1 = _load_sub(
-            q, k, g, beta, t0, 0, L, r0, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-            K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        A00, P00 = _diag_block(q0, k0, rq0, rk0, G0, r0, PER_CHANNEL, PREC_IN, PREC_ACC)
-        _store_block(P_ws, scale * P00, t0, 0, 0, L, hv, HV, C)
-        I00 = _invert_unit_lower16(b0[:, None] * A00)
-        _store_block(Minv_ws, I00, t0, 0, 0, L, hv, HV, C)
-
-        q1, k1, rq1, rk1, G1, b1, r2 = _load_sub(
-            q, k, g, beta, t0, SUB, L, r1, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-            K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        A11, P11 = _diag_block(q1, k1, rq1, rk1, G1, r1, PER_CHANNEL, PREC_IN, PREC_ACC)
-        A10, P10 = _off_block(q1, k1, rq1, rk1, G1, k0, rk0, G0, r1, PER_CHANNEL, PREC_IN, PREC_ACC)
-        _store_block(P_ws, scale * P10, t0, SUB, 0, L, hv, HV, C)
-        _store_block(P_ws, scale * P11, t0, SUB, SUB, L, hv, HV, C)
-        I11 = _invert_unit_lower16(b1[:, None] * A11)
-        I10 = -_mm(I11, _mm(b1[:, None] * A10, I00))
-        _store_block(Minv_ws, I10, t0, SUB, 0, L, hv, HV, C)
-        _store_block(Minv_ws, I11, t0, SUB, SUB, L, hv, HV, C)
-
-        q2, k2, rq2, rk2, G2, b2, r3 = _load_sub(
-            q, k, g, beta, t0, 2 * SUB, L, r2, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-            K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        A22, P22 = _diag_block(q2, k2, rq2, rk2, G2, r2, PER_CHANNEL, PREC_IN, PREC_ACC)
-        A20, P20 = _off_block(q2, k2, rq2, rk2, G2, k0, rk0, G0, r2, PER_CHANNEL, PREC_IN, PREC_ACC)
-        A21, P21 = _off_block(q2, k2, rq2, rk2, G2, k1, rk1, G1, r2, PER_CHANNEL, PREC_IN, PREC_ACC)
-        _store_block(P_ws, scale * P20, t0, 2 * SUB, 0, L, hv, HV, C)
-        _store_block(P_ws, scale * P21, t0, 2 * SUB, SUB, L, hv, HV, C)
-        _store_block(P_ws, scale * P22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
-        I22 = _invert_unit_lower16(b2[:, None] * A22)
-        M21 = b2[:, None] * A21
-        I21 = -_mm(I22, _mm(M21, I11))
-        I20 = -_mm(I22, _mm(b2[:, None] * A20, I00) + _mm(M21, I10))
-        _store_block(Minv_ws, I20, t0, 2 * SUB, 0, L, hv, HV, C)
-        _store_block(Minv_ws, I21, t0, 2 * SUB, SUB, L, hv, HV, C)
-        _store_block(Minv_ws, I22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
-
-        q3, k3, rq3, rk3, G3, b3, _ = _load_sub(
-            q, k, g, beta, t0, 3 * SUB, L, r3, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-            K, BK, PER_CHANNEL, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        A33, P33 = _diag_block(q3, k3, rq3, rk3, G3, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
-        A30, P30 = _off_block(q3, k3, rq3, rk3, G3, k0, rk0, G0, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
-        A31, P31 = _off_block(q3, k3, rq3, rk3, G3, k1, rk1, G1, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
-        A32, P32 = _off_block(q3, k3, rq3, rk3, G3, k2, rk2, G2, r3, PER_CHANNEL, PREC_IN, PREC_ACC)
-        _store_block(P_ws, scale * P30, t0, 3 * SUB, 0, L, hv, HV, C)
-        _store_block(P_ws, scale * P31, t0, 3 * SUB, SUB, L, hv, HV, C)
-        _store_block(P_ws, scale * P32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
-        _store_block(P_ws, scale * P33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
-        I33 = _invert_unit_lower16(b3[:, None] * A33)
-        M31 = b3[:, None] * A31
-        M32 = b3[:, None] * A32
-        I32 = -_mm(I33, _mm(M32, I22))
-        I31 = -_mm(I33, _mm(M31, I11) + _mm(M32, I21))
-        I30 = -_mm(I33, _mm(b3[:, None] * A30, I00) + _mm(M31, I10) + _mm(M32, I20))
-        _store_block(Minv_ws, I30, t0, 3 * SUB, 0, L, hv, HV, C)
-        _store_block(Minv_ws, I31, t0, 3 * SUB, SUB, L, hv, HV, C)
-        _store_block(Minv_ws, I32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
-        _store_block(Minv_ws, I33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
+            _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
+                               s_qt, s_qk, s_kt, s_kk, s_gt, s_bt, HV, K, BK, C, QK_L2NORM, FUSED_GATE,
+                               HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_IN)
+        tl.debug_barrier()  # N is read back by other warps than those that wrote it
+        _invert_chunk(Minv_ws, t0, L, hv, HV, C)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,13 +511,13 @@ def _delta_wu_kernel(
     Minv_ws, W_ws, U_ws,
     s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr,
 ):
-    """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|)
-    as two C-row products over the whole chunk, M^-1 read back from the workspace."""
+    """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
+    C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace."""
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
@@ -460,21 +528,32 @@ def _delta_wu_kernel(
         Minv = tl.load(Minv_ws + (tok[:, None] * HV + hv) * C + rows[None, :],
                        mask=rmask[:, None] & (rows[None, :] <= rows[:, None]), other=0.0)
         b = _load_beta(beta + hv * s_bh, tok, rmask, s_bt, BETA_LOGITS)
-        vv = _load_rows(v + hv * s_vh, tok, rmask, s_vt, s_vv, V, BV)
-        _store_rows(U_ws, _dot(Minv * b[None, :], vv, PREC_ACC), tok, rmask, hv, HV, V, BV)
+        # Column tiles of BT: a whole [C, V] result tile stayed live with its operands and spilled
+        # (GDN 4 x 8192 on an H200: 1.23 ms at BT = V = 128, 0.86 at 32).
+        Mb = Minv * b[None, :]
+        for c0 in range(0, V, BT):
+            vv = _load_tile(v + hv * s_vh, tok, rmask, s_vt, s_vv, c0, V, BT)
+            _store_tile(U_ws, _dot(Mb, vv, PREC_ACC), tok, rmask, hv, c0, HV, V, BT)
 
         A, dt_bias = _head_gate(A_log, dt_bias, hv, K, PER_CHANNEL, FUSED_GATE)
-        kk = _load_rows(k + (hv // GROUP) * s_kh, tok, rmask, s_kt, s_kk, K, BK)
-        gg = _log_decay_rows(g + hv * s_gh, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
-                             K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+        k += (hv // GROUP) * s_kh
+        g += hv * s_gh
+        rk = _inv_norm(_load_rows(k, tok, rmask, s_kt, s_kk, K, BK), QK_L2NORM)
         if PER_CHANNEL:
-            X = kk.to(tl.float32) * (_inv_norm(kk, QK_L2NORM)[:, None] * tl.exp(tl.cumsum(gg, 0)))
-            cw = b
+            Mw = Minv * (b * rk)[None, :]
+            for c0 in range(0, K, BT):
+                gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
+                                     K, BT, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+                X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT).to(tl.float32) * tl.exp(tl.cumsum(gg, 0))
+                _store_tile(W_ws, _dot(Mw, X, PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
         else:
-            # the scalar row factors go to M^-1's columns: the raw k tile enters the product unrounded
-            X = kk
-            cw = b * _inv_norm(kk, QK_L2NORM) * tl.exp(tl.cumsum(gg.to(tl.float64), 0).to(tl.float32))
-        _store_rows(W_ws, _dot(Minv * cw[None, :], X, PREC_ACC), tok, rmask, hv, HV, K, BK)
+            # the scalar row factors go to M^-1's columns: the raw k tiles enter the product unrounded
+            gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
+                                 K, BK, False, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+            Mw = Minv * (b * rk * tl.exp(tl.cumsum(gg.to(tl.float64), 0).to(tl.float32)))[None, :]
+            for c0 in range(0, K, BT):
+                X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT)
+                _store_tile(W_ws, _dot(Mw, X, PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,12 +614,17 @@ def _delta_state_kernel(
         for t0 in range(bos, eos, C):
             tok = t0 + rows
             rmask = tok < eos
-            gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound,
+            gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
                                  K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
             if not PER_CHANNEL:
                 gg = gg.to(tl.float64)  # see _load_sub
             G = tl.cumsum(gg, 0)
             G_end = tl.sum(gg, 0)  # G at the chunk's last token (masked rows add zero)
+            if PER_CHANNEL and PREC_ACC == "tf32x3":
+                # G_C - G_t as the sum of the gates after t (module docstring, numerics)
+                G_after = tl.cumsum(gg, 0, reverse=True) - gg
+            else:
+                G_after = G_end - G
 
             # U = U~ - W S
             ws_row = tok[:, None] * HV + hv
@@ -564,10 +648,10 @@ def _delta_state_kernel(
             # S = exp(G_C) S + (exp(G_C - G) K)^T U
             kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
             if PER_CHANNEL:
-                k_dec = kk.to(tl.float32) * (_inv_norm(kk, QK_L2NORM)[:, None] * tl.exp(G_end[None, :] - G))
+                k_dec = kk.to(tl.float32) * (_inv_norm(kk, QK_L2NORM)[:, None] * tl.exp(G_after))
                 S = S * tl.exp(G_end)[:, None] + _dot(tl.trans(k_dec), U, PREC_ACC)
             else:
-                U_dec = U * (_inv_norm(kk, QK_L2NORM) * tl.exp((G_end - G).to(tl.float32)))[:, None]
+                U_dec = U * (_inv_norm(kk, QK_L2NORM) * tl.exp(G_after.to(tl.float32)))[:, None]
                 S = S * tl.exp(G_end.to(tl.float32)) + _dot(tl.trans(kk), U_dec, PREC_ACC)
 
             if HAS_CKPT:
@@ -625,16 +709,20 @@ def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: 
     ``heads`` (sequences x value heads) and ``num_sms``, when given: where BV = 32 tiles still fit
     the SMs in one wave (one long sequence), they are used: twice the programs, half the serial
     work each (GDN 1 x 65536 on an H200: 16.0 ms against 16.6; 4 x 8192 keeps 64: 6.0 against 6.7).
+    In that one wave each SM holds one or two programs that wait on their loads, so the loop
+    prefetches the next chunk (two stages; GDN 1 x 32768 whole prefill 5.32 -> 4.77 ms, while
+    4 x 8192 at BV = 64 went 3.21 -> 3.32 ms with two and keeps one).
     """
     BV = min(max(triton.next_power_of_2(V), 16), 64)
-    if heads and heads * triton.cdiv(V, 32) <= num_sms:
+    one_wave = bool(heads) and heads * triton.cdiv(V, 32) <= num_sms
+    if one_wave:
         BV = min(BV, 32)
     if prec_fast != "bf16" or BK > 128:
         BV = min(BV, 32)
         if prec_fast != "bf16" and BK > 128:
             BV = min(BV, 16)
         return dict(BV=BV, num_warps=4 if max(BK, BV) <= 64 else 8, num_stages=1)
-    return dict(BV=BV, num_warps=4, num_stages=1)
+    return dict(BV=BV, num_warps=4, num_stages=2 if one_wave else 1)
 
 
 def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
@@ -676,7 +764,6 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     device = q.device
     per_channel = recipe.mode == "kda"
     BK = max(triton.next_power_of_2(K), 16)
-    BV_full = max(triton.next_power_of_2(V), 16)
     prec = precisions(q.dtype)
     A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, device)
     if not per_channel:
@@ -698,18 +785,19 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     table = chunk_indices(cu_seqlens, T, C)
     grid = (max_chunks(T, N, C), HV)
     gate_args = (A_log, dt_bias, lower_bound)
-    # Warps timed on an H200 (bf16, K = V = 128, 4 x 8192 tokens, whole prefill): GDN 4.05 ms with
-    # 4, 5.17 with 2, 5.79 with 8; KDA 12.7 ms with 2, 17.9 with 4, 27.6 with 8. float32 inputs
-    # (tf32x3 products, twice the operand tiles) keep 4.
+    # Warps timed on an H200 (bf16, K = V = 128, 4 x 8192 tokens, whole prefill): GDN 3.21 ms with
+    # 4, 3.20 with 8; KDA 11.7 ms with 2, 16.7 with 4. float32 inputs (tf32x3 products, twice the
+    # operand tiles) keep 4.
     intra_warps = 2 if per_channel and prec["PREC_IN"] != "tf32x3" else 4
     _delta_intra_kernel[grid](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
-        BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"], num_warps=intra_warps, num_stages=1, **common)
+        BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"], FACTOR_SPAN=FACTOR_SPAN, num_warps=intra_warps,
+        num_stages=1, **common)
     _delta_wu_kernel[grid](
         k, v, g, beta, *gate_args, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws,
         *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        V=V, BV=BV_full, BETA_LOGITS=recipe.beta_logits, num_warps=4, num_stages=1, **common)
+        V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, num_warps=4, num_stages=1, **common)
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
