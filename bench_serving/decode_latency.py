@@ -32,6 +32,7 @@ from cula_serve.inputs import MODEL_SHAPES, random_inputs, relative_error
 
 from . import peers
 from .kernels import environment
+from .plotting import pyplot
 from .timing import time_call, time_graph
 
 PROTOCOLS = ("deferred", "buffer", "slots")
@@ -237,4 +238,37 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_latency.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
     print(f"json: {out / 'decode_latency.json'}")
+    plot(rows, out / "decode_latency.png")
     return 0
+
+
+def plot(rows, path: Path):
+    """Left: decode TB/s against the batch size, per model, pool and backend. Right: cula-serve's
+    verify + commit over one decode step against T, per model and protocol, at the largest batch
+    and the float32 pool."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(16, 6))
+    decode = [r for r in rows if r["op"] == "decode" and "TBps" in r]
+    for key in dict.fromkeys((r["model"], r["state"], r["backend"]) for r in decode):
+        line = sorted((r["B"], r["TBps"]) for r in decode if (r["model"], r["state"], r["backend"]) == key)
+        left.plot(*zip(*line), marker="o", label=" ".join(key))
+    left.set_xscale("log", base=2)
+    left.set_xlabel("batch size")
+    left.set_ylabel("TB/s of state traffic (higher is better)")
+    left.set_title("decode, CUDA-graph replay")
+    left.legend(fontsize=7)
+    verify = [r for r in rows if r["backend"] == "cula" and "vs_decode" in r and r["state"] == "float32"]
+    if verify:
+        B = max(r["B"] for r in verify)
+        for key in dict.fromkeys((r["model"], r["op"]) for r in verify):
+            line = sorted((r["T"], r["vs_decode"]) for r in verify if (r["model"], r["op"]) == key and r["B"] == B)
+            right.plot(*zip(*line), marker="o", label=f"{key[0]} {key[1].split()[-1]}")
+        right.set_title(f"cula-serve verify + commit, float32 pool, B = {B}")
+    right.set_xlabel("verify tokens T")
+    right.set_ylabel("time over one decode step (lower is better)")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")

@@ -221,6 +221,8 @@ class OfflineEngine:
         self.clock.discard()
 
     def run(self, trace, progress) -> dict:
+        """Serve ``trace`` once; the times and the scheduler's summary of this run only. Every slot
+        the run took is back in the pool afterwards, so the engine can serve a trace again."""
         args = self.args
         scheduler = Scheduler(trace, self.pool, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -228,6 +230,7 @@ class OfflineEngine:
         sampler = (AcceptanceSampler(self.verify_tokens, args.acceptance_rate, args.seed)
                    if self.verify_tokens > 1 else None)
         self.drawn = []
+        self.clock.totals.clear()
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -245,7 +248,6 @@ class OfflineEngine:
             self.replayed.clear()
             progress.update(len(scheduler.finish_step(plan, committed)))
         wall_ms = (time.perf_counter() - start) * 1e3
-        self.pool.free([self.scratch_slot])
         summary = scheduler.check()
         summary["nonfinite_outputs"] = bool(self.nonfinite)
         if sampler is not None:

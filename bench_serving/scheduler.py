@@ -111,6 +111,7 @@ class Scheduler:
         if pool.num_free < slots_per_sequence:
             raise ValueError(f"pool: {pool.num_free} free slots cannot hold one sequence of {slots_per_sequence}")
         self.pool = pool
+        self.free_at_start = pool.num_free
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.verify_tokens = verify_tokens
@@ -206,8 +207,8 @@ class Scheduler:
                                    f"{seq.chunks}")
             if seq.generated != r.output_len or 1 + sum(seq.accepted) != r.output_len:
                 raise RuntimeError(f"request {r.rid}: generated {seq.generated} tokens, wanted {r.output_len}")
-        if self.pool.num_free != self.pool.num_slots:
-            raise RuntimeError(f"pool: {self.pool.num_slots - self.pool.num_free} slots were not returned")
+        if self.pool.num_free != self.free_at_start:
+            raise RuntimeError(f"pool: {self.free_at_start - self.pool.num_free} slots were not returned")
         accepted = [a for seq in self.finished for a in seq.accepted]
         return dict(requests=len(self.finished), steps=self.steps, peak_running=self.peak_running,
                     prompt_tokens=sum(r.input_len for r in self.requests),

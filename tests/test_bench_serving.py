@@ -422,6 +422,24 @@ def test_offline_end_to_end_on_cpu(tmp_path):
     assert sum(row["share"].values()) == pytest.approx(1.0)
 
 
+def test_offline_warmup_round_serves_the_trace_again(tmp_path):
+    """Warm-up rounds return every slot they took (the timed round's scheduler checks pass) and
+    leave the timed round's plan unchanged: its summary is that of a run without warm-up."""
+    args = ["--model", "kimi-linear", "--layers", "1", "--num-requests", "4", "--input-len", "20", "--output-len",
+            "4", "--max-num-seqs", "2", "--max-num-batched-tokens", "24", "--seed", "2"]
+    reports = []
+    for rounds in ("0", "2"):
+        out_dir = tmp_path / rounds
+        out = _run_offline(out_dir, *args, "--warmup-rounds", rounds)
+        assert out.returncode == 0, out.stdout + out.stderr
+        reports.append(json.loads((out_dir / "offline.json").read_text()))
+    assert [r["config"]["warmup_rounds"] for r in reports] == [0, 2]
+    [cold], [warm] = (r["rows"] for r in reports)
+    assert warm["scheduler"] == cold["scheduler"]
+    assert set(warm["op_ms"]) == set(cold["op_ms"])
+    assert _run_offline(tmp_path, *args, "--warmup-rounds", "-1").returncode != 0
+
+
 def test_offline_engine_says_why_it_cannot_run(tmp_path):
     out = _run_offline(tmp_path, "--engine", "vllm", "--model", "qwen3-next")
     assert out.returncode == 0, out.stdout + out.stderr
