@@ -221,8 +221,9 @@ class OfflineEngine:
         self.clock.discard()
 
     def run(self, trace, progress) -> dict:
-        """Serve ``trace`` once; the times and the scheduler's summary of this run only. Every slot
-        the run took is back in the pool afterwards, so the engine can serve a trace again."""
+        """Serve ``trace`` once; the times and the scheduler's summary of this run only (the
+        non-finite flag covers every run so far). Every slot the run took is back in the pool
+        afterwards, so the engine can serve a trace again."""
         args = self.args
         scheduler = Scheduler(trace, self.pool, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
