@@ -15,12 +15,15 @@ inputs.
 On a GPU, decode (or verify and commit) runs as CUDA-graph replay: one graph per batch-size bucket
 (powers of two up to ``--max-num-seqs``), captured after ``cula_serve.warmup`` and FLA's own
 warm-up, replayed with the batch padded by slot -1 rows; prefill runs eagerly, after a warm-up of
-a few shapes so kernel compilation is not timed. Then, by default on a GPU, the whole trace is
-served once untimed (``--warmup-rounds``): Triton also specialises kernels on sizes and pointer
-alignments that a few shapes do not reach (without this round FLA's KDA prefill compiled for about
-10 s inside the timed run on an H200). Only the last round is reported. Every operation is timed
-with CUDA events, inside the graphs too; the host waits for each step to finish, as an engine
-that samples on the host does.
+a few shapes so kernel compilation is not timed. Then the whole trace is served untimed
+(``--warmup-rounds``, default 1; 0 turns it off) on the same engine (same weights, layers, pool
+and graphs): Triton also specialises kernels on sizes and pointer alignments that a few shapes do
+not reach (without this round FLA's KDA prefill compiled for about 10 s inside the timed run on an
+H200). Each round returns every slot it took (checked); then the trace is served again, timed,
+with a fresh scheduler and acceptance sampler and the operation totals cleared: only this timed
+round is reported (the warm-up rounds' wall times are recorded beside it; the progress bar says
+which round runs). Every operation is timed with CUDA events, inside the graphs too; the host waits
+for each step to finish, as an engine that samples on the host does.
 On the CPU everything runs eagerly on the torch reference backend, on a small configuration.
 
 Reports tokens per second (prefill: prompt tokens over the prefill work's device time; decode:
@@ -91,9 +94,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--engine", choices=("vllm", "sglang"),
                         help="instead: the engine's own offline benchmark with and without --attention-backend cula")
     parser.add_argument("--engine-model", help="checkpoint for --engine (a local path or a cached Hugging Face id)")
-    parser.add_argument("--warmup-rounds", type=int,
-                        help="untimed runs of the whole trace before the timed one (GPU 1, CPU 0): they compile "
-                             "what a few warm-up shapes miss")
+    parser.add_argument("--warmup-rounds", type=int, default=1, metavar="N",
+                        help="untimed runs of the whole trace on the same engine before the timed one (default 1; "
+                             "0: none): they compile and autotune what the few warm-up shapes miss; only the timed "
+                             "run is reported")
     parser.add_argument("--out-dir", default="bench_results", help="where offline.json and offline.png go")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -120,6 +124,16 @@ class _Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def _serve(engine, trace, desc: str) -> dict:
+    """One round: serve the whole trace on ``engine`` under a progress bar labelled ``desc``."""
+    progress = _Progress(len(trace), desc)
+    try:
+        with torch.no_grad():
+            return engine.run(trace, progress)
+    finally:
+        progress.close()
 
 
 def _row(model, backend_label, result) -> dict:
@@ -195,8 +209,6 @@ def _resolve_defaults(args, device):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.warmup_rounds is None:
-        args.warmup_rounds = 1 if device.type == "cuda" else 0
     if args.warmup_rounds < 0:
         raise SystemExit(f"--warmup-rounds: expected an int >= 0, got {args.warmup_rounds}")
     for name in ("layers", "tp", "num_requests", "input_len", "output_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -238,7 +250,8 @@ def main(args) -> int:
     print(f"trace: {args.num_requests} requests, {args.distribution} lengths (spread {args.spread}) around "
           f"{args.input_len} prompt / {args.output_len} output tokens, seed {args.seed}; {args.layers} layers, TP"
           f"{args.tp} shard, budget {args.max_num_batched_tokens} tokens, {args.max_num_seqs} sequences; {mtp}; "
-          f"{args.dtype} weights, {args.state_dtype} states")
+          f"{args.dtype} weights, {args.state_dtype} states; {args.warmup_rounds} untimed warm-up "
+          f"round{'' if args.warmup_rounds == 1 else 's'} of the trace before the timed one")
     if device.type != "cuda":
         print("no GPU: a small configuration on the torch reference backend, eagerly; timings need a GPU")
     backends = list(dict.fromkeys(args.backend))
@@ -266,19 +279,23 @@ def main(args) -> int:
                       flush=True)
             with torch.no_grad():
                 engine.warm_up()
-            for round_ in range(args.warmup_rounds + 1):  # the last round is the timed one
-                warm = f" warm-up {round_ + 1}" if round_ < args.warmup_rounds else ""
-                progress = _Progress(len(trace), f"{model} {label}{warm}")
-                try:
-                    with torch.no_grad():
-                        result = engine.run(trace, progress)
-                finally:
-                    progress.close()
-            row = _row(model, label, result)
+            # warm-up rounds, untimed, then the timed round: the same trace on the same engine; each
+            # run starts a fresh scheduler and sampler and reports only itself
+            rounds = [f"warm-up {i + 1}/{args.warmup_rounds}" for i in range(args.warmup_rounds)] + ["timed"]
+            warmup_wall_s, nonfinite = [], []
+            for name in rounds:
+                result = _serve(engine, trace, f"{model} {label} {name}")
+                if name != "timed":
+                    warmup_wall_s.append(result["wall_ms"] / 1e3)
+                if result["summary"]["nonfinite_outputs"]:
+                    nonfinite.append(name)
+            row = _row(model, label, result)  # the timed round's
+            row["warmup_wall_s"] = warmup_wall_s
             if backend == "cula":
                 row["cula_backends"] = cula_backends
-            if result["summary"]["nonfinite_outputs"]:
-                print(f"{model} {label}: non-finite outputs (NaN or inf) from the layers")
+            if nonfinite:
+                print(f"{model} {label}: non-finite outputs (NaN or inf) from the layers ({', '.join(nonfinite)} "
+                      f"round{'s' if len(nonfinite) > 1 else ''})")
                 failed = True
             rows.append(row)
             del engine

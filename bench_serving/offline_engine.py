@@ -2,12 +2,13 @@
 one attention core, a trace served step by step (see offline.py for what is measured).
 
 ``OfflineEngine`` owns the random-weight layers (``model_layers.py``), the ``StatePool`` (one slot
-more than the sequences need: FLA's padding rows write there), the attention core
-(``attention_cores.py``) and one ``DecodeStep`` per batch-size bucket. Each step of the
-``Scheduler``'s plan runs the prefill chunks eagerly through every layer, then the decode rows
-(padded to the bucket with slot -1) as a CUDA-graph replay on a GPU or eagerly on the CPU, then,
-with MTP, the commit of the accepted lengths; the host waits for the step and reads the
-``OpClock``'s marks, those inside the replayed graphs included.
+more than the sequences need, the scratch slot, taken for the engine's life: FLA's padding rows
+write there), the attention core (``attention_cores.py``) and one ``DecodeStep`` per batch-size
+bucket. Each step of the ``Scheduler``'s plan runs the prefill chunks eagerly through every layer,
+then the decode rows (padded to the bucket with slot -1) as a CUDA-graph replay on a GPU or
+eagerly on the CPU, then, with MTP, the commit of the accepted lengths; the host waits for the
+step and reads the ``OpClock``'s marks, those inside the replayed graphs included. ``run`` can be
+called again on the same engine (warm-up rounds, then the timed one): each run reports only itself.
 """
 from __future__ import annotations
 
@@ -220,18 +221,30 @@ class OfflineEngine:
         torch.cuda.synchronize(self.device)
         self.clock.discard()
 
+    def _check_pool_idle(self, when: str):
+        """Every slot is free but the scratch slot, which the engine holds for its whole life."""
+        held = self.pool.num_slots - self.pool.num_free
+        if held != 1:
+            raise RuntimeError(f"pool {when}: {held} slots taken, expected only the scratch slot")
+
     def run(self, trace, progress) -> dict:
-        """Serve ``trace`` once; the times and the scheduler's summary of this run only (the
-        non-finite flag covers every run so far). Every slot the run took is back in the pool
-        afterwards, so the engine can serve a trace again."""
+        """Serve ``trace`` once and report this run only: a fresh ``Scheduler`` and acceptance
+        sampler, and the ``OpClock``'s totals, the drawn accepted lengths and the non-finite flag
+        start anew, so a timed run after warm-up runs of the same trace (same layers, pool and
+        graphs) reports only itself. Every slot the run took is back in the pool afterwards
+        (checked before and after; the scratch slot stays taken), so the engine can serve a trace
+        again."""
         args = self.args
+        self._check_pool_idle("before a run")
         scheduler = Scheduler(trace, self.pool, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               verify_tokens=self.verify_tokens, slots_per_sequence=self.slots_per_sequence)
         sampler = (AcceptanceSampler(self.verify_tokens, args.acceptance_rate, args.seed)
                    if self.verify_tokens > 1 else None)
         self.drawn = []
-        self.clock.totals.clear()
+        self.nonfinite.zero_()
+        self.replayed.clear()
+        self.clock.reset()
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -250,6 +263,7 @@ class OfflineEngine:
             progress.update(len(scheduler.finish_step(plan, committed)))
         wall_ms = (time.perf_counter() - start) * 1e3
         summary = scheduler.check()
+        self._check_pool_idle("after a run")
         summary["nonfinite_outputs"] = bool(self.nonfinite)
         if sampler is not None:
             summary["mean_accepted_drawn"] = sum(self.drawn) / max(1, len(self.drawn))

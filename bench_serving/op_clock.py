@@ -74,6 +74,11 @@ class OpClock:
         if self.cuda:
             self._spare.extend(event for _, event in marks)
 
+    def reset(self) -> None:
+        """Start a new run: drop the totals so far and any marks not yet collected."""
+        self.discard()
+        self.totals.clear()
+
     def add(self, elapsed: dict[str, float]) -> None:
         for label, ms in elapsed.items():
             self.totals[label] += ms

@@ -432,12 +432,69 @@ def test_offline_warmup_round_serves_the_trace_again(tmp_path):
         out_dir = tmp_path / rounds
         out = _run_offline(out_dir, *args, "--warmup-rounds", rounds)
         assert out.returncode == 0, out.stdout + out.stderr
+        # the progress bar names each round (tqdm's bar or the plain lines both go to stderr)
+        assert ("warm-up 1/2" in out.stderr and "warm-up 2/2" in out.stderr) == (rounds == "2")
+        assert "kimi-linear cula (torch) timed" in out.stderr
         reports.append(json.loads((out_dir / "offline.json").read_text()))
     assert [r["config"]["warmup_rounds"] for r in reports] == [0, 2]
     [cold], [warm] = (r["rows"] for r in reports)
     assert warm["scheduler"] == cold["scheduler"]
     assert set(warm["op_ms"]) == set(cold["op_ms"])
+    assert cold["warmup_wall_s"] == [] and len(warm["warmup_wall_s"]) == 2
+    assert sum(warm["op_ms"].values()) <= warm["wall_s"] * 1e3  # the timed round's operations only
     assert _run_offline(tmp_path, *args, "--warmup-rounds", "-1").returncode != 0
+
+
+@pytest.mark.parametrize("mtp, protocol", [(1, "deferred"), (3, "slots")])
+def test_offline_engine_warmup_round_then_timed_round(mtp, protocol):
+    """In process: an engine that served the trace once (the warm-up round) serves it again with
+    the same scheduler summary as a fresh engine's only run; after each round every slot but the
+    engine's scratch slot is free (the scratch slot neither freed nor lost), and the timed round's
+    totals and accepted lengths are its own."""
+    from argparse import ArgumentParser
+
+    from bench_serving import offline
+
+    parser = ArgumentParser()
+    offline.add_arguments(parser)
+    args = parser.parse_args(["--model", "kimi-linear", "--layers", "1", "--num-requests", "5", "--input-len", "20",
+                              "--output-len", "5", "--max-num-seqs", "2", "--max-num-batched-tokens", "24",
+                              "--mtp", str(mtp), "--protocol", protocol, "--acceptance-rate", "0.6", "--seed", "3"])
+    device = torch.device("cpu")
+    offline._resolve_defaults(args, device)
+    assert args.warmup_rounds == 1  # the default, on the CPU too
+    trace = make_trace(5, 20, 5, distribution="uniform", spread=0.5, seed=3)
+    shape = offline.layer_shape("kimi-linear", args.tp)
+
+    class Count:
+        def __init__(self):
+            self.done = 0
+
+        def update(self, n):
+            self.done += n
+
+    def serve(engine):
+        progress = Count()
+        with torch.no_grad():
+            result = engine.run(trace, progress)
+        assert progress.done == len(trace)
+        pool = engine.pool
+        assert pool.num_free == pool.num_slots - 1 and pool._in_use == {engine.scratch_slot}
+        assert sorted(pool._free) == [s for s in range(pool.num_slots) if s != engine.scratch_slot]
+        return result
+
+    cold_engine = offline_engine.OfflineEngine(shape, "cula", args, device)
+    cold_engine.warm_up()
+    cold = serve(cold_engine)
+    engine = offline_engine.OfflineEngine(shape, "cula", args, device)
+    engine.warm_up()
+    warm_up, timed = serve(engine), serve(engine)
+    assert warm_up["summary"] == timed["summary"] == cold["summary"]
+    assert not timed["summary"]["nonfinite_outputs"]
+    assert set(timed["op_ms"]) == set(cold["op_ms"])
+    assert sum(timed["op_ms"].values()) <= timed["wall_ms"]  # not the two rounds' totals together
+    if mtp > 1:
+        assert len(engine.drawn) == timed["summary"]["decode_rows"] == cold["summary"]["decode_rows"]
 
 
 def test_offline_engine_says_why_it_cannot_run(tmp_path):

@@ -1,4 +1,4 @@
-"""Chunked prefill of the gated delta rule (GDN and KDA) in Triton: three kernels, one core.
+"""Chunked prefill of the gated delta rule (GDN and KDA) in Triton: one core, three stages.
 
 The math is ``chunk_torch.py``'s WY form (read its docstring first). Per chunk of C = 64 tokens,
 with G the chunk-local cumulative log gate (per token for GDN, per token and channel for KDA),
@@ -12,23 +12,26 @@ q and k l2-normalised, and S0 the state entering the chunk:
     O     = scale (exp(G) * Q) S0 + P U
     S_out = exp(G_C) * S0 + (exp(G_C - G) * K)^T U
 
-GDN is this with a scalar gate broadcast over the K channels; the kernels are shared and a
-constexpr (PER_CHANNEL) picks how a decay is applied, nothing else.
+GDN is this with a scalar gate broadcast over the K channels; the W / U~ and state kernels are
+shared and a constexpr (PER_CHANNEL) picks how a decay is applied. Only stage 1 differs, because
+a scalar decay can be applied after a product and a per-channel one cannot.
 
-Launches per call: four.
+Launches per call: four for GDN, five for KDA.
 0. ``kernels.common.varlen.chunk_indices``: the (sequence, chunk) of every global chunk id, on
    the device (no host synchronisation).
-1. ``_delta_intra_kernel``, grid (T // C + N, HV): one program per (chunk, value head), all
-   independent. Applies l2norm, the fused gate, the in-chunk cumulative sum and the beta sigmoid
-   in registers and writes P and N = M - I (strictly lower, float32) of its chunk to [T, HV, C]
-   workspaces: GDN as two whole-chunk products (q k^T, k k^T) times one C x C decay matrix; KDA,
-   whose per-channel decays only factor safely across sub-chunk boundaries (below), in 16 x 16
-   blocks, 16 rows at a time. After a barrier it reads N back in blocks and writes M^-1 in its
-   place (block doubling within each of the four diagonal blocks, then
-   (M^-1)_ij = -(M^-1)_ii sum_m N_im (M^-1)_mj). Holding the q, k tiles and every block of A in
-   registers until the solve spilled: GDN 4 x 8192 on an H200 took 1.80 ms in this kernel with
-   16-row blocks, 0.98 with whole-chunk products and the solve from the workspace.
-2. ``_delta_wu_kernel``, same grid: U~ = M^-1 diag(beta) V and W as C-row products over the
+1. P and M^-1 of every chunk, all chunks independent. l2norm, the fused gate, the in-chunk
+   cumulative sum and the beta sigmoid are applied in registers; P and N = M - I (strictly lower,
+   float32) go to [T, HV, C] workspaces, then M^-1 replaces N (block doubling within each of the
+   four 16 x 16 diagonal blocks, then (M^-1)_ij = -(M^-1)_ii sum_m N_im (M^-1)_mj: ``_invert_chunk``).
+   GDN, ``_gdn_intra_kernel``, grid (T // C + N, HV): P and N as two whole-chunk products
+   (q k^T, k k^T) times one C x C decay matrix, then after a barrier the solve, reading N back in
+   blocks (16-row blocks held in registers until the solve spilled: 1.80 ms against 0.98 for
+   GDN 4 x 8192 on an H200). KDA, whose per-channel decays only factor safely across sub-chunk
+   boundaries (below): ``_kda_block_kernel``, grid (T // C + N, HV, 10), one 16 x 16 block of P
+   and N per program, then ``_invert_kernel`` (one program per chunk and head). The whole chunk's
+   blocks in one program kept three sub-chunks' decayed tiles live and spilled 3 KB per thread
+   (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 now).
+2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as C-row products over the
    whole chunk in column tiles of 32, into W [T, HV, K] and U~ [T, HV, V]. A separate launch
    because inside kernel 1 the products kept every v and k tile live and spilled (GDN 4 x 8192
    on an H200 went from 6.01 to 4.05 ms with the split).
@@ -41,7 +44,8 @@ Launches per call: four.
 
 Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
 workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2;
-N's round trip inside kernel 1 stays in L2).
+plus N written and read back before the solve: within one GDN program, mostly from L2; between
+KDA's two launches, 256 more bytes each way).
 With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
 workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
 heads).
@@ -50,13 +54,13 @@ Numerics of the gate. exp(G_t - G_s) <= 1 for s <= t, but exp(-G_s) alone overfl
 once a chunk's gates sum below about -88, which KDA's unbounded per-channel gate reaches easily.
 Nothing here forms exp(-G) alone:
   - KDA's off-diagonal 16 x 16 blocks (rows t in sub-chunk i, columns s in sub-chunk j < i)
-    split the decay at the cumulative gate r_i at the end of sub-chunk i - 1:
-        exp(G_t - G_s) = exp(G_t - r_i) * exp(r_i - G_s),
-    both factors <= 1 since G is non-increasing (t comes after r_i's row, s before it). The block
-    is then one tensor-core product of two decayed tiles; a factor can only underflow when the
-    true product is smaller still.
-  - KDA's diagonal blocks split the decay the same way at r_i, the gate before the sub-chunk: then
-    exp(G_t - r_i) <= 1 and exp(r_i - G_s) >= 1, which is safe while the sub-chunk's gates span
+    split the decay at the start of sub-chunk i: with l the cumulative gate within a sub-chunk
+    and e_u the sum of sub-chunk u's gates,
+        exp(G_t - G_s) = exp(l_i,t) * exp(e_j - l_j,s + e_{j+1} + ... + e_{i-1}),
+    both factors <= 1 since G is non-increasing. The block is then one tensor-core product of two
+    decayed tiles; a factor can only underflow when the true product is smaller still.
+  - KDA's diagonal blocks split the decay the same way, at the sub-chunk's start: then
+    exp(l_t) <= 1 and exp(-l_s) >= 1, which is safe while the sub-chunk's gates span
     less than FACTOR_SPAN = 80 in every channel (e^80 ~ 5.5e34). A sub-chunk that spans more
     (decays below e^-80 within 16 tokens) takes the exact path instead, one key column s at a
     time: exp(G_t - G_s) over the rows t >= s, elementwise (16 x K per column). The choice is
@@ -226,128 +230,6 @@ def _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS: tl.constexpr):
 
 
 @triton.jit
-def _load_sub(q, k, g, beta, t0, row0, L, carry, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt,
-              A, dt_bias, lower_bound,
-              K: tl.constexpr, BK: tl.constexpr, QK_L2NORM: tl.constexpr,
-              FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
-              BETA_LOGITS: tl.constexpr):
-    """KDA: rows row0 .. row0 + 15 of the chunk starting at token t0 (L valid rows); the pointers
-    are at the program's qk head (q, k) and value head (g, beta, dt_bias).
-
-    Returns q, k [16, BK] as loaded, their inverse row norms [16], G [16, BK] float32: the
-    cumulative log gate from the chunk start (``carry`` [BK] is its value before row0), beta [16],
-    and the carry after the sub-chunk.
-    """
-    r = row0 + tl.arange(0, SUB)
-    rmask = r < L
-    tok = t0 + r
-    qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
-    kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
-    gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
-                         K, BK, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
-    G = tl.cumsum(gg, 0) + carry[None, :]
-    b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
-    return qq, kk, _inv_norm(qq, QK_L2NORM), _inv_norm(kk, QK_L2NORM), G, b, carry + tl.sum(gg, 0)
-
-
-@triton.jit
-def _factored_products(qi, ki, rqi, rki, Gi, kj, rkj, Gj, ref, PREC_ACC: tl.constexpr):
-    """KDA's A_ts and P_ts / scale for rows t of sub-chunk i and columns s of sub-chunk j as two
-    tensor-core products, the decay split at ``ref`` [BK]: exp(G_t - G_s) = exp(G_t - ref) *
-    exp(ref - G_s). Exact up to the products' rounding while neither factor overflows."""
-    row = tl.exp(Gi - ref[None, :])
-    kt = tl.trans(kj.to(tl.float32) * (rkj[:, None] * tl.exp(ref[None, :] - Gj)))
-    A = _dot(ki.to(tl.float32) * (rki[:, None] * row), kt, PREC_ACC)
-    P = _dot(qi.to(tl.float32) * (rqi[:, None] * row), kt, PREC_ACC)
-    return A, P
-
-
-@triton.jit
-def _diag_block(qi, ki, rqi, rki, Gi, ref, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr):
-    """KDA: A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16
-    block. ``ref`` is the cumulative gate before the sub-chunk.
-
-    Split at ref, the factors are exp(G_t - ref) <= 1 and exp(ref - G_s) >= 1: safe while the
-    sub-chunk's gates span less than FACTOR_SPAN in every channel (the usual case). Otherwise the
-    exact pairwise decays, one key column s at a time: exp(G_t - G_s) for rows t >= s only."""
-    r = tl.arange(0, SUB)
-    if tl.max(tl.max(tl.abs(Gi - ref[None, :]), 1), 0) < FACTOR_SPAN:
-        A, P = _factored_products(qi, ki, rqi, rki, Gi, ki, rki, Gi, ref, PREC_ACC)
-    else:
-        qf = qi.to(tl.float32) * rqi[:, None]
-        kf = ki.to(tl.float32) * rki[:, None]
-        A = tl.zeros([SUB, SUB], dtype=tl.float32)
-        P = tl.zeros([SUB, SUB], dtype=tl.float32)
-        for s in range(SUB):  # not unrolled: bounded live ranges
-            pick = (r == s)[:, None]
-            k_s = tl.sum(tl.where(pick, kf, 0.0), 0)
-            G_s = tl.sum(tl.where(pick, Gi, 0.0), 0)
-            decayed = tl.exp(tl.where((r >= s)[:, None], Gi - G_s[None, :], 0.0)) * k_s[None, :]
-            col = (r == s)[None, :]
-            A = tl.where(col, tl.sum(kf * decayed, 1)[:, None], A)
-            P = tl.where(col, tl.sum(qf * decayed, 1)[:, None], P)
-    A = tl.where(r[:, None] > r[None, :], A, 0.0)
-    P = tl.where(r[:, None] >= r[None, :], P, 0.0)
-    return A, P
-
-
-@triton.jit
-def _store_pair(P_ws, N_ws, A, P, b, scale, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
-    """Block (row0, col0) of a chunk's P (times ``scale``) and of N = diag(beta) A."""
-    _store_block(P_ws, scale * P, t0, row0, col0, L, hv, HV, C)
-    _store_block(N_ws, b[:, None] * A, t0, row0, col0, L, hv, HV, C)
-
-
-@triton.jit
-def _kda_blocks(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
-                s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt,
-                HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
-                QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr, PREC_ACC: tl.constexpr,
-                FACTOR_SPAN: tl.constexpr):
-    """KDA's P and N = M - I of one chunk in 16 x 16 blocks, sub-chunk by sub-chunk (rows
-    16 i .. 16 i + 15), into the workspaces: per-channel decays only factor safely across a
-    sub-chunk boundary (module docstring). Off-diagonal blocks (i, j < i) split the decay at r_i,
-    the cumulative gate at the end of sub-chunk i - 1."""
-    r0 = tl.zeros([BK], dtype=tl.float32)
-    q0, k0, rq0, rk0, G0, b0, r1 = _load_sub(
-        q, k, g, beta, t0, 0, L, r0, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-        K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-    A00, P00 = _diag_block(q0, k0, rq0, rk0, G0, r0, PREC_ACC, FACTOR_SPAN)
-    _store_pair(P_ws, Minv_ws, A00, P00, b0, scale, t0, 0, 0, L, hv, HV, C)
-
-    q1, k1, rq1, rk1, G1, b1, r2 = _load_sub(
-        q, k, g, beta, t0, SUB, L, r1, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-        K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-    A11, P11 = _diag_block(q1, k1, rq1, rk1, G1, r1, PREC_ACC, FACTOR_SPAN)
-    _store_pair(P_ws, Minv_ws, A11, P11, b1, scale, t0, SUB, SUB, L, hv, HV, C)
-    A10, P10 = _factored_products(q1, k1, rq1, rk1, G1, k0, rk0, G0, r1, PREC_ACC)
-    _store_pair(P_ws, Minv_ws, A10, P10, b1, scale, t0, SUB, 0, L, hv, HV, C)
-
-    q2, k2, rq2, rk2, G2, b2, r3 = _load_sub(
-        q, k, g, beta, t0, 2 * SUB, L, r2, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-        K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-    A22, P22 = _diag_block(q2, k2, rq2, rk2, G2, r2, PREC_ACC, FACTOR_SPAN)
-    _store_pair(P_ws, Minv_ws, A22, P22, b2, scale, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
-    A20, P20 = _factored_products(q2, k2, rq2, rk2, G2, k0, rk0, G0, r2, PREC_ACC)
-    _store_pair(P_ws, Minv_ws, A20, P20, b2, scale, t0, 2 * SUB, 0, L, hv, HV, C)
-    A21, P21 = _factored_products(q2, k2, rq2, rk2, G2, k1, rk1, G1, r2, PREC_ACC)
-    _store_pair(P_ws, Minv_ws, A21, P21, b2, scale, t0, 2 * SUB, SUB, L, hv, HV, C)
-
-    q3, k3, rq3, rk3, G3, b3, _ = _load_sub(
-        q, k, g, beta, t0, 3 * SUB, L, r3, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-        K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-    A33, P33 = _diag_block(q3, k3, rq3, rk3, G3, r3, PREC_ACC, FACTOR_SPAN)
-    _store_pair(P_ws, Minv_ws, A33, P33, b3, scale, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
-    A30, P30 = _factored_products(q3, k3, rq3, rk3, G3, k0, rk0, G0, r3, PREC_ACC)
-    _store_pair(P_ws, Minv_ws, A30, P30, b3, scale, t0, 3 * SUB, 0, L, hv, HV, C)
-    A31, P31 = _factored_products(q3, k3, rq3, rk3, G3, k1, rk1, G1, r3, PREC_ACC)
-    _store_pair(P_ws, Minv_ws, A31, P31, b3, scale, t0, 3 * SUB, SUB, L, hv, HV, C)
-    A32, P32 = _factored_products(q3, k3, rq3, rk3, G3, k2, rk2, G2, r3, PREC_ACC)
-    _store_pair(P_ws, Minv_ws, A32, P32, b3, scale, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
-
-
-@triton.jit
 def _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
                        s_qt, s_qk, s_kt, s_kk, s_gt, s_bt,
                        HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
@@ -463,19 +345,17 @@ def _invert_chunk(ws, t0, L, hv, HV: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _delta_intra_kernel(
+def _gdn_intra_kernel(
     q, k, g, beta, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, chunk_table, state_indices,
     P_ws, Minv_ws,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
-    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
-    BK: tl.constexpr, C: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+    QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr,
 ):
-    """One (chunk, value head): P and N = M - I of the chunk into the workspaces, then M^-1 in
-    place of N (module docstring)."""
+    """GDN, one (chunk, value head): P and N = M - I of the chunk into the workspaces, then M^-1
+    in place of N (module docstring)."""
     tl.static_assert(C == 4 * SUB)
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -487,17 +367,138 @@ def _delta_intra_kernel(
         k += h * s_kh
         g += hv * s_gh
         beta += hv * s_bh
-        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, PER_CHANNEL, FUSED_GATE)
-        if PER_CHANNEL:
-            _kda_blocks(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
-                        s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, HV, K, BK, C, QK_L2NORM, FUSED_GATE,
-                        HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_ACC, FACTOR_SPAN)
-        else:
-            _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
-                               s_qt, s_qk, s_kt, s_kk, s_gt, s_bt, HV, K, BK, C, QK_L2NORM, FUSED_GATE,
-                               HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_IN)
+        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, False, FUSED_GATE)
+        _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
+                           s_qt, s_qk, s_kt, s_kk, s_gt, s_bt, HV, K, BK, C, QK_L2NORM, FUSED_GATE,
+                           HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_IN)
         tl.debug_barrier()  # N is read back by other warps than those that wrote it
         _invert_chunk(Minv_ws, t0, L, hv, HV, C)
+
+
+@triton.jit
+def _load_sub(q, k, g, beta, t0, row0, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt,
+              A, dt_bias, lower_bound,
+              K: tl.constexpr, BK: tl.constexpr, QK_L2NORM: tl.constexpr,
+              FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+              BETA_LOGITS: tl.constexpr):
+    """KDA: rows row0 .. row0 + 15 of the chunk starting at token t0 (L valid rows); the pointers
+    are at the program's qk head (q, k) and value head (g, beta, dt_bias).
+
+    Returns q, k [16, BK] as loaded, their inverse row norms [16], l [16, BK] float32: the
+    cumulative log gate from the sub-chunk's start, e [BK]: the sum of the sub-chunk's gates, and
+    beta [16].
+    """
+    r = row0 + tl.arange(0, SUB)
+    rmask = r < L
+    tok = t0 + r
+    qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
+    kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
+    gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
+                         K, BK, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+    b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
+    return (qq, kk, _inv_norm(qq, QK_L2NORM), _inv_norm(kk, QK_L2NORM), tl.cumsum(gg, 0), tl.sum(gg, 0), b)
+
+
+@triton.jit
+def _block_products(qd, kd, kc, PREC_ACC: tl.constexpr):
+    """A (k k^T) and P / scale (q k^T) of one block from decayed row and column operands."""
+    kt = tl.trans(kc)
+    return _dot(kd, kt, PREC_ACC), _dot(qd, kt, PREC_ACC)
+
+
+@triton.jit
+def _diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr):
+    """KDA: A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16
+    block; ``li`` is the cumulative gate from the sub-chunk's start.
+
+    exp(G_t - G_s) = exp(l_t) * exp(-l_s), factors <= 1 and >= 1: safe while the sub-chunk's gates
+    span less than FACTOR_SPAN in every channel (the usual case). Otherwise the exact pairwise
+    decays, one key column s at a time: exp(l_t - l_s) for rows t >= s only."""
+    r = tl.arange(0, SUB)
+    if tl.max(tl.max(-li, 1), 0) < FACTOR_SPAN:
+        f = tl.exp(li)
+        A, P = _block_products(qi.to(tl.float32) * (rqi[:, None] * f), ki.to(tl.float32) * (rki[:, None] * f),
+                               ki.to(tl.float32) * (rki[:, None] * tl.exp(-li)), PREC_ACC)
+    else:
+        qf = qi.to(tl.float32) * rqi[:, None]
+        kf = ki.to(tl.float32) * rki[:, None]
+        A = tl.zeros([SUB, SUB], dtype=tl.float32)
+        P = tl.zeros([SUB, SUB], dtype=tl.float32)
+        for s in range(SUB):  # not unrolled: bounded live ranges
+            pick = (r == s)[:, None]
+            k_s = tl.sum(tl.where(pick, kf, 0.0), 0)
+            l_s = tl.sum(tl.where(pick, li, 0.0), 0)
+            decayed = tl.exp(tl.where((r >= s)[:, None], li - l_s[None, :], 0.0)) * k_s[None, :]
+            col = (r == s)[None, :]
+            A = tl.where(col, tl.sum(kf * decayed, 1)[:, None], A)
+            P = tl.where(col, tl.sum(qf * decayed, 1)[:, None], P)
+    A = tl.where(r[:, None] > r[None, :], A, 0.0)
+    P = tl.where(r[:, None] >= r[None, :], P, 0.0)
+    return A, P
+
+
+@triton.jit
+def _kda_block_kernel(
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale,
+    cu_seqlens, chunk_table, state_indices,
+    P_ws, N_ws,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+    QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
+):
+    """KDA, one (chunk, value head, 16 x 16 block (i, j <= i) of the chunk's lower triangle): the
+    block of P (times scale) and of N = diag(beta) A into the workspaces.
+
+    Per-channel decays only factor safely across sub-chunk boundaries (module docstring): with
+    l_i the cumulative gate within sub-chunk i and e_u the sum of sub-chunk u's gates, j < i takes
+        exp(G_t - G_s) = exp(l_i,t) * exp(e_j - l_j,s + e_{j+1} + ... + e_{i-1}),
+    both factors <= 1; the diagonal block splits at the sub-chunk's start (``_diag_block``). One
+    block per program keeps few tiles live: the whole chunk in one program (2 warps) held the
+    decayed tiles of three sub-chunks and spilled 3 KB per thread."""
+    tl.static_assert(C == 4 * SUB)
+    i_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    blk = tl.program_id(2)
+    i = (blk >= 1).to(tl.int32) + (blk >= 3).to(tl.int32) + (blk >= 6).to(tl.int32)
+    j = blk - i * (i + 1) // 2
+    live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
+    L = tl.minimum(eos - t0, C).to(tl.int32)
+    if live & (i * SUB < L):
+        q += (hv // GROUP) * s_qh
+        k += (hv // GROUP) * s_kh
+        g += hv * s_gh
+        beta += hv * s_bh
+        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, True, FUSED_GATE)
+        qi, ki, rqi, rki, li, ei, bi = _load_sub(
+            q, k, g, beta, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+            K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+        if i == j:
+            A_blk, P_blk = _diag_block(qi, ki, rqi, rki, li, PREC_ACC, FACTOR_SPAN)
+        else:
+            qj, kj, rqj, rkj, lj, ej, bj = _load_sub(  # q, beta of j unused (not loaded)
+                q, k, g, beta, t0, j * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
+                K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+            for u in range(j + 1, i):  # the sub-chunks between j and i
+                r = u * SUB + tl.arange(0, SUB)
+                ej += tl.sum(_log_decay_rows(g, t0 + r, r < L, s_gt, s_gk, A, dt_bias, lower_bound, 0,
+                                             K, BK, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE), 0)
+            f = tl.exp(li)
+            A_blk, P_blk = _block_products(qi.to(tl.float32) * (rqi[:, None] * f), ki.to(tl.float32) * (rki[:, None] * f),
+                                           kj.to(tl.float32) * (rkj[:, None] * tl.exp(ej[None, :] - lj)), PREC_ACC)
+        _store_block(P_ws, scale * P_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
+        _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
+
+
+@triton.jit
+def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws,
+                   HV: tl.constexpr, C: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """KDA, one (chunk, value head): M^-1 in place of N (``_invert_chunk``)."""
+    i_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
+    if live:
+        _invert_chunk(Minv_ws, t0, tl.minimum(eos - t0, C).to(tl.int32), hv, HV, C)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,15 +786,23 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     table = chunk_indices(cu_seqlens, T, C)
     grid = (max_chunks(T, N, C), HV)
     gate_args = (A_log, dt_bias, lower_bound)
-    # Warps timed on an H200 (bf16, K = V = 128, 4 x 8192 tokens, whole prefill): GDN 3.21 ms with
-    # 4, 3.20 with 8; KDA 11.7 ms with 2, 16.7 with 4. float32 inputs (tf32x3 products, twice the
-    # operand tiles) keep 4.
-    intra_warps = 2 if per_channel and prec["PREC_IN"] != "tf32x3" else 4
-    _delta_intra_kernel[grid](
-        q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
-        *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
-        BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"], FACTOR_SPAN=FACTOR_SPAN, num_warps=intra_warps,
-        num_stages=1, **common)
+    intra_args = (q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
+                  *q.stride(), *k.stride(), *g.stride(), *beta.stride())
+    intra_flags = {key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS",
+                                                "FUSED_GATE", "HAS_DT_BIAS", "SAFE_GATE")}
+    if per_channel:
+        # Warps timed on an H200 (bf16, 4 x 8192, fused gates): 2 warps 5.82 ms, 4 warps 10.7, 8 20.1.
+        # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
+        # an sm_90 compile against 216 with 2 (not timed).
+        _kda_block_kernel[grid + (10,)](
+            *intra_args, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
+            num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **intra_flags)
+        _invert_kernel[grid](cu_seqlens, table, slots, Minv_ws, HV=HV, C=C, HAS_SLOTS=state_indices is not None,
+                             num_warps=4, num_stages=1)
+    else:
+        # 4 warps: GDN 4 x 8192 whole prefill 3.21 ms with 4, 3.20 with 8 on an H200 (bf16)
+        _gdn_intra_kernel[grid](*intra_args, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"], num_warps=4,
+                                num_stages=1, **intra_flags)
     # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: GDN 0.773 -> 0.739 ms, KDA
     # 1.050 -> 1.001); with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
     _delta_wu_kernel[grid](
