@@ -221,21 +221,17 @@ class OfflineEngine:
         torch.cuda.synchronize(self.device)
         self.clock.discard()
 
-    def _check_pool_idle(self, when: str):
-        """Every slot is free but the scratch slot, which the engine holds for its whole life."""
-        held = self.pool.num_slots - self.pool.num_free
-        if held != 1:
-            raise RuntimeError(f"pool {when}: {held} slots taken, expected only the scratch slot")
-
     def run(self, trace, progress) -> dict:
         """Serve ``trace`` once and report this run only: a fresh ``Scheduler`` and acceptance
         sampler, and the ``OpClock``'s totals, the drawn accepted lengths and the non-finite flag
         start anew, so a timed run after warm-up runs of the same trace (same layers, pool and
-        graphs) reports only itself. Every slot the run took is back in the pool afterwards
-        (checked before and after; the scratch slot stays taken), so the engine can serve a trace
-        again."""
+        graphs) reports only itself. Every slot the run took is back in the pool afterwards, so
+        the engine can serve a trace again: the pool holds only the scratch slot before the run
+        (checked here) and the scheduler's end-of-run check finds every slot it took returned."""
         args = self.args
-        self._check_pool_idle("before a run")
+        held = self.pool.num_slots - self.pool.num_free
+        if held != 1:
+            raise RuntimeError(f"pool before a run: {held} slots taken, expected only the scratch slot")
         scheduler = Scheduler(trace, self.pool, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               verify_tokens=self.verify_tokens, slots_per_sequence=self.slots_per_sequence)
@@ -263,7 +259,6 @@ class OfflineEngine:
             progress.update(len(scheduler.finish_step(plan, committed)))
         wall_ms = (time.perf_counter() - start) * 1e3
         summary = scheduler.check()
-        self._check_pool_idle("after a run")
         summary["nonfinite_outputs"] = bool(self.nonfinite)
         if sampler is not None:
             summary["mean_accepted_drawn"] = sum(self.drawn) / max(1, len(self.drawn))

@@ -400,10 +400,18 @@ def _load_sub(q, k, g, beta, t0, row0, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_
 
 
 @triton.jit
-def _block_products(qd, kd, kc, PREC_ACC: tl.constexpr):
-    """A (k k^T) and P / scale (q k^T) of one block from decayed row and column operands."""
+def _decayed(x, inv_norm, factor):
+    """A [16, BK] tile of q or k in float32 times its inverse row norms and a decay ``factor``."""
+    return x.to(tl.float32) * (inv_norm[:, None] * factor)
+
+
+@triton.jit
+def _block_products(qi, ki, rqi, rki, li, kc, PREC_ACC: tl.constexpr):
+    """A (k k^T) and P / scale (q k^T) of one block of row sub-chunk i: the rows decayed by
+    exp(l_i) (from the sub-chunk's start), ``kc`` the decayed column operand."""
+    f = tl.exp(li)
     kt = tl.trans(kc)
-    return _dot(kd, kt, PREC_ACC), _dot(qd, kt, PREC_ACC)
+    return _dot(_decayed(ki, rki, f), kt, PREC_ACC), _dot(_decayed(qi, rqi, f), kt, PREC_ACC)
 
 
 @triton.jit
@@ -416,9 +424,7 @@ def _diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.co
     decays, one key column s at a time: exp(l_t - l_s) for rows t >= s only."""
     r = tl.arange(0, SUB)
     if tl.max(tl.max(-li, 1), 0) < FACTOR_SPAN:
-        f = tl.exp(li)
-        A, P = _block_products(qi.to(tl.float32) * (rqi[:, None] * f), ki.to(tl.float32) * (rki[:, None] * f),
-                               ki.to(tl.float32) * (rki[:, None] * tl.exp(-li)), PREC_ACC)
+        A, P = _block_products(qi, ki, rqi, rki, li, _decayed(ki, rki, tl.exp(-li)), PREC_ACC)
     else:
         qf = qi.to(tl.float32) * rqi[:, None]
         kf = ki.to(tl.float32) * rki[:, None]
@@ -483,9 +489,7 @@ def _kda_block_kernel(
                 r = u * SUB + tl.arange(0, SUB)
                 ej += tl.sum(_log_decay_rows(g, t0 + r, r < L, s_gt, s_gk, A, dt_bias, lower_bound, 0,
                                              K, BK, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE), 0)
-            f = tl.exp(li)
-            A_blk, P_blk = _block_products(qi.to(tl.float32) * (rqi[:, None] * f), ki.to(tl.float32) * (rki[:, None] * f),
-                                           kj.to(tl.float32) * (rkj[:, None] * tl.exp(ej[None, :] - lj)), PREC_ACC)
+            A_blk, P_blk = _block_products(qi, ki, rqi, rki, li, _decayed(kj, rkj, tl.exp(ej[None, :] - lj)), PREC_ACC)
         _store_block(P_ws, scale * P_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
         _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
 
