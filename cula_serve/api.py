@@ -56,6 +56,10 @@ class PendingCommit:
     state_pool, state_indices: as given to the verify (indices int32, [N] or [N, T_cols]).
     intermediate_states, intermediate_indices: the buffer protocol's buffer and its rows.
     k, v, g, beta: the deferred protocol's inputs, as passed to the backend.
+    saved: what the verify's backend kept for its own commit (the Triton backend's deferred
+        delta-rule verify: every token's u, float32 [N, T, HV, V], 4 bytes per token and value
+        column held until the commit); None otherwise. A commit on another backend ignores it
+        and replays from k, v, g, beta.
     The remaining fields carry the verify's options to the same backend.
     """
 
@@ -71,6 +75,7 @@ class PendingCommit:
     v: torch.Tensor | None = None
     g: torch.Tensor | None = None
     beta: torch.Tensor | None = None
+    saved: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -501,14 +506,15 @@ def cula_verify(q, k, v, state_pool, *, mode="gdn", g=None, beta=None, decay=Non
             check_slots("intermediate_indices", intermediate_indices[live], intermediate_states.shape[0],
                         allow_padding=False)
     state_indices, intermediate_indices = _int32(state_indices), _int32(intermediate_indices)
-    module.verify(recipe, q, k, v, g, beta, protocol=protocol, state_pool=state_pool, state_indices=state_indices,
-                  num_accepted_tokens=_int32(num_accepted_tokens), intermediate_states=intermediate_states,
-                  intermediate_indices=intermediate_indices, out=out, **kwargs)
+    saved = module.verify(recipe, q, k, v, g, beta, protocol=protocol, state_pool=state_pool,
+                          state_indices=state_indices, num_accepted_tokens=_int32(num_accepted_tokens),
+                          intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
+                          out=out, **kwargs)
     deferred = protocol == "deferred"
     pending = PendingCommit(protocol, recipe, module.NAME, T, state_pool, state_indices,
                             intermediate_states, intermediate_indices,
                             k if deferred else None, v if deferred else None,
-                            g if deferred else None, beta if deferred else None)
+                            g if deferred else None, beta if deferred else None, saved)
     return out, pending
 
 
@@ -537,5 +543,5 @@ def cula_commit(pending: PendingCommit, num_accepted_tokens, *, backend=None, **
     module.commit(pending.recipe, protocol=pending.protocol, state_pool=pool, state_indices=slots,
                   num_accepted_tokens=_int32(num_accepted_tokens), intermediate_states=pending.intermediate_states,
                   intermediate_indices=pending.intermediate_indices, k=pending.k, v=pending.v, g=pending.g,
-                  beta=pending.beta, **kwargs)
+                  beta=pending.beta, saved=pending.saved if module.NAME == pending.backend else None, **kwargs)
     return pool

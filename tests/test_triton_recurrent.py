@@ -2,6 +2,7 @@
 oracle: every mode, both pool dtypes, GVA and MHA heads, several V-tiles, permuted and padded
 (NaN-poisoned) slots, strided pools and inputs, the three MTP protocols with every accepted length,
 the fused gates. Shapes are small: the interpreter runs each program in Python."""
+import dataclasses
 import os
 import sys
 import types
@@ -270,6 +271,43 @@ def test_verify_equals_decode_steps(mode, generator):
         same(o, steps_o, "deferred outputs")
         cula_commit(pending, torch.full((N,), a, dtype=torch.int32))
         same(work[slots[live].long()], states[a - 1] if a else pool[slots[live].long()], f"commit({a})")
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+def test_deferred_commit_applies_the_verify_u(mode, generator):
+    """A deferred delta-rule verify keeps every token's u = beta (v - S^T k) (zeros on padding
+    rows) and its commit applies those instead of recomputing them: the same states as the
+    commit that replays (a torch-backend commit ignores ``saved``), and a poisoned u reaches the
+    pool, so the saved values are what the commit uses."""
+    T = 4
+    accepted = torch.tensor([3, 0, 2, 4, 1, 2], dtype=torch.int32)
+    kw = random_inputs(mode, (len(SLOTS), T), **GVA, generator=generator)
+    pool, _ = _pool(GVA, torch.float32, [s for s in SLOTS if s >= 0], generator)
+    q, k, v, rest = _split(kw)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+
+    def verify(work):
+        return cula_verify(q, k, v, work, mode=mode, protocol="deferred", state_indices=slots, **rest, **TRITON)[1]
+
+    from_u, replayed, poisoned = pool.clone(), pool.clone(), pool.clone()
+    pending = verify(from_u)
+    assert pending.saved is not None and pending.saved.shape == (len(SLOTS), T, GVA["HV"], GVA["V"])
+    assert (pending.saved[PAD] == 0).all()
+    cula_commit(pending, accepted)
+
+    cula_commit(dataclasses.replace(verify(replayed), saved=None), accepted)
+    assert torch.equal(from_u.nan_to_num(7.0), replayed.nan_to_num(7.0))
+
+    torch_commit = pool.clone()
+    cula_commit(verify(torch_commit), accepted, backend="torch")
+    assert_close(torch_commit[[s for s in SLOTS if s >= 0]], from_u[[s for s in SLOTS if s >= 0]], 1e-5,
+                 "torch commit of a triton verify")
+
+    pending = verify(poisoned)
+    pending.saved[0, 0] = float("nan")  # sequence 0 (slot 5) accepts 3 tokens, so u of token 0 is used
+    cula_commit(pending, accepted)
+    assert torch.isnan(poisoned[SLOTS[0]]).any()
+    assert torch.equal(poisoned[SLOTS[3]], from_u[SLOTS[3]])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def verify(recipe, q, k, v, g, beta, *, protocol, state_pool, state_indices, num
 
 
 def commit(recipe, *, protocol, state_pool, state_indices, num_accepted_tokens,
-           intermediate_states, intermediate_indices, k, v, g, beta, **kwargs):
+           intermediate_states, intermediate_indices, k, v, g, beta, saved=None, **kwargs):
     """Make the first num_accepted_tokens[n] tokens of a verify the state of sequence n.
 
     num_accepted_tokens int32 [N], 0..T; 0 leaves the slot as it was. By protocol:
@@ -186,7 +186,8 @@ def commit(recipe, *, protocol, state_pool, state_indices, num_accepted_tokens,
       "slots":    pool[state_indices[n, 0]] = pool[state_indices[n, a - 1]] (so the next verify
                   may pass num_accepted_tokens = 1).
       "deferred": replay tokens 0..a-1 of (k, v, g, beta) onto pool[state_indices[n]], in place.
-    Padding rows (negative slot) are untouched.
+    Padding rows (negative slot) are untouched. ``saved`` (another backend's verify
+    intermediates) is not used: the reference always replays.
     """
     _, dtype = _options(kwargs, "recurrent")
     accepted = num_accepted_tokens.long()

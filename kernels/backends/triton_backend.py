@@ -106,22 +106,32 @@ def verify(recipe, q, k, v, g, beta, *, protocol, state_pool, state_indices, num
            intermediate_states, intermediate_indices, out, **kwargs):
     """MTP verify of T tokens for N sequences; shapes and protocols as for the torch backend's
     ``verify``. The pool is read once per sequence; "buffer" writes T states per sequence to
-    ``intermediate_states``, "slots" T states to the pool, "deferred" nothing."""
+    ``intermediate_states``, "slots" T states to the pool, "deferred" nothing.
+
+    Returns what ``commit`` takes as ``saved``: for a deferred delta-rule verify the tokens' u
+    (float32 [N, T, HV, V], allocated here, so capturable), otherwise None."""
     _no_options("verify", kwargs)
+    saved = None
+    if protocol == "deferred" and recipe.delta_rule:
+        saved = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     _recurrent(recipe, q, k, v, g, beta, op=protocol, state_pool=state_pool, state_indices=state_indices,
                out=out, num_accepted_tokens=num_accepted_tokens if protocol == "slots" else None,
-               intermediate_states=intermediate_states, intermediate_indices=intermediate_indices)
+               intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
+               **({} if saved is None else dict(saved_u=saved)))
+    return saved
 
 
 def commit(recipe, *, protocol, state_pool, state_indices, num_accepted_tokens, intermediate_states,
-           intermediate_indices, k, v, g, beta, **kwargs):
+           intermediate_indices, k, v, g, beta, saved=None, **kwargs):
     """Make the first num_accepted_tokens[n] verify tokens the state of sequence n; semantics as
     for the torch backend's ``commit``. "buffer" and "slots" copy one saved state per sequence;
-    "deferred" replays the accepted tokens onto the slot in one read-modify-write."""
+    "deferred" replays the accepted tokens onto the slot in one read-modify-write, from the
+    verify's ``saved`` u when given (delta rule: no reductions left, a streaming pass)."""
     _no_options("commit", kwargs)
     if protocol == "deferred":
         _recurrent(recipe, None, k, v, g, beta, op="commit", state_pool=state_pool,
-                   state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
+                   state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
+                   **({} if saved is None else dict(saved_u=saved)))
         return
     from ..delta_rule.recurrent_triton import copy_committed_states
     copy_committed_states(protocol, state_pool=state_pool, state_indices=state_indices,
