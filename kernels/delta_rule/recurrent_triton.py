@@ -15,6 +15,19 @@ S evolve independently (``S^T k`` and ``k u^T`` act column by column), so a prog
 K x BV slice ``pool[slot, hv, v0:v0+BV, :]`` and keeps it in registers for all T tokens: every
 state element is read once and written once per call, whatever T is.
 
+The slice is held as a [LV, BV // LV, K // KL, KL] block (``state_tile``; ``tile_split`` picks LV
+and KL). Every token reduces each state column over K (``S^T k``, and ``S^T q`` for an output);
+the verify is bound by issuing those reductions, not by memory (ncu on an H200, GDN B = 64,
+T = 4: 80 % issue slots busy). With the plain [BV, K] block the 32 lanes lie along K and each
+reduction is a 5-round shuffle tree for each of the BV columns a lane holds. Splitting the lanes
+into LV groups along V and KL / 4 along K (4 contiguous floats each; the K // KL chunks stay in
+registers) leaves BV / LV columns per lane and log2(KL / 4) rounds, at the price of each lane
+handling K // (KL / 4) channels of every per-token K-vector (q, k, KDA's gate) instead of 4.
+For a scalar gate that trade wins (GDN verify B = 64, T = 4: 99.0 -> 86.1 us with LV = 2,
+KL = 64); KDA's per-channel gate (three transcendentals per channel per token) makes it lose
+(117.7 -> 129.8 us), and a commit from saved u has no reductions left, so both keep LV = 1,
+KL = K, the plain layout.
+
 The pool is ``[P, HV, V, K]`` (K-last, ``pool[slot, hv, v, k] == S[k, v]``), float32 or bfloat16
 (loaded to float32, rounded to the pool dtype on store); dim 0 may have any stride (vLLM pages),
 dims 1..3 are contiguous. What a call reads and writes is set by ``op`` (a_n below is
@@ -93,15 +106,36 @@ def tokens_to_run(num_accepted, i_n, live, T, OP: tl.constexpr):
 
 
 @triton.jit
-def state_tile(i_hv, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """Offsets of this program's [BV, K] slice inside one slot (K-last: row v holds S[:, v])."""
-    offs_v = i_v * BV + tl.arange(0, BV)
-    return i_hv * (V * K) + offs_v[:, None] * K + tl.arange(0, K)[None, :]
+def tile_rows(i_v, BV: tl.constexpr, LV: tl.constexpr):
+    """[LV, BV // LV]: the state columns v of this program's tile (v0 + lv * BV // LV + r)."""
+    RV: tl.constexpr = BV // LV
+    return i_v * BV + tl.arange(0, LV)[:, None] * RV + tl.arange(0, RV)[None, :]
+
+
+@triton.jit
+def channel_offsets(K: tl.constexpr, KL: tl.constexpr):
+    """[K // KL, KL]: channel k = c * KL + j. Provably contiguous only in runs of 4, so that every
+    load (bf16 inputs and pools too) takes 4 elements per lane and all blocks share the state's
+    register layout; a bf16 load would otherwise take 8, get another layout, and Triton would
+    convert the loop-carried state to it (measured: the reductions went back across all lanes)."""
+    j = tl.arange(0, KL)
+    j = (j // 4) * 4 + j % 4
+    return tl.arange(0, K // KL)[:, None] * KL + j[None, :]
+
+
+@triton.jit
+def state_tile(i_hv, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, LV: tl.constexpr,
+               KL: tl.constexpr):
+    """Offsets of this program's slice ``pool[slot, hv, v0:v0+BV, :]`` inside one slot as a
+    [LV, BV // LV, K // KL, KL] block: element (lv, r, c, j) is S[c * KL + j, v] with v from
+    ``tile_rows``."""
+    rows = tile_rows(i_v, BV, LV)
+    return i_hv * (V * K) + rows[:, :, None, None] * K + channel_offsets(K, KL)[None, None, :, :]
 
 
 @triton.jit
 def load_state(pool, slot, stride_pool, tile, live):
-    """The slot's [BV, K] slice in float32; zeros for a padding row (nothing is read)."""
+    """The slot's ``state_tile`` block in float32; zeros for a padding row (nothing is read)."""
     return tl.load(pool + slot.to(tl.int64) * stride_pool + tile, mask=live, other=0.0).to(tl.float32)
 
 
@@ -137,12 +171,25 @@ def store_final_state(h, pool, slot, stride_pool, tile, count, OP: tl.constexpr)
 
 
 @triton.jit
-def load_head_vector(x, offset, active, K: tl.constexpr, L2NORM: tl.constexpr):
-    """One token's q or k head ([K], unit stride) in float32, l2-normalised when asked; zeros when
-    the token is inactive."""
-    b_x = tl.load(x + offset + tl.arange(0, K), mask=active, other=0.0).to(tl.float32)
+def vector_offsets(K: tl.constexpr, LV: tl.constexpr, KL: tl.constexpr):
+    """[LV, 1, K // KL, KL]: a K-vector laid out like a ``state_tile`` row, once per lane group."""
+    return tl.zeros([LV, 1, 1, 1], dtype=tl.int32) + channel_offsets(K, KL)[None, None, :, :]
+
+
+@triton.jit
+def rows_dot(h, x):
+    """[LV, BV // LV]: every tile row dotted with the K-vector x (chunks in registers, then lanes)."""
+    return tl.sum(tl.sum(h * x, axis=2), axis=2)
+
+
+@triton.jit
+def load_head_vector(x, offset, active, K: tl.constexpr, LV: tl.constexpr, KL: tl.constexpr,
+                     L2NORM: tl.constexpr):
+    """One token's q or k head (K values, unit stride) in float32 as [LV, 1, K // KL, KL],
+    l2-normalised when asked; zeros when the token is inactive."""
+    b_x = tl.load(x + offset + vector_offsets(K, LV, KL), mask=active, other=0.0).to(tl.float32)
     if L2NORM:
-        b_x = b_x * tl.rsqrt(tl.sum(b_x * b_x) + L2NORM_EPS)
+        b_x = b_x * tl.rsqrt(rows_dot(b_x, b_x) + L2NORM_EPS)[:, :, None, None]
     return b_x
 
 
@@ -169,22 +216,23 @@ def _delta_rule_recurrent_kernel(
     pool, buffer, state_indices, num_accepted, buffer_rows,
     stride_pool, stride_buf_r, stride_buf_t, stride_idx_n, stride_idx_t, num_columns,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    OP: tl.constexpr, PER_CHANNEL_GATE: tl.constexpr, FUSED_GATE: tl.constexpr,
-    SAFE_GATE: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr, SAVED_U: tl.constexpr,
+    LV: tl.constexpr, KL: tl.constexpr, OP: tl.constexpr, PER_CHANNEL_GATE: tl.constexpr,
+    FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    SAVED_U: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    offs_k = tl.arange(0, K)
-    offs_v = i_v * BV + tl.arange(0, BV)
+    offs_k = vector_offsets(K, LV, KL)
+    offs_v = tile_rows(i_v, BV, LV)
 
     slot = read_slot(state_indices, num_accepted, i_n, stride_idx_n, stride_idx_t, num_columns, OP)
     live = slot >= 0
     count = tokens_to_run(num_accepted, i_n, live, T, OP)
-    tile = state_tile(i_hv, i_v, K, V, BV)
-    h = load_state(pool, slot, stride_pool, tile, live)  # h[v, k] = S[k, v]
+    tile = state_tile(i_hv, i_v, K, V, BV, LV, KL)
+    h = load_state(pool, slot, stride_pool, tile, live)  # h[lv, r, c, j] = S[c KL + j, offs_v[lv, r]]
     buffer_row = load_buffer_row(buffer_rows, i_n, OP)
 
     if FUSED_GATE:
@@ -198,7 +246,8 @@ def _delta_rule_recurrent_kernel(
     i_n64 = i_n.to(tl.int64)
     for t in range(T):
         active = t < count
-        k_t = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active, K, QK_L2NORM)
+        k_t = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active,
+                               K, LV, KL, QK_L2NORM)
         u_off = i_n64 * stride_u_n + t * stride_u_t + i_hv * stride_u_h + offs_v
         g_off = i_n64 * stride_g_n + t * stride_g_t + i_hv * stride_g_h
         if PER_CHANNEL_GATE:
@@ -215,10 +264,7 @@ def _delta_rule_recurrent_kernel(
         # an inactive token (past a commit's accepted count) must leave the state bit-identical:
         # decay exp(0) = 1 and u = 0 with k = 0 make the update h * 1 + 0
         b_g = tl.where(active, b_g, 0.0)
-        if PER_CHANNEL_GATE:
-            h = h * tl.exp(b_g)[None, :]
-        else:
-            h = h * tl.exp(b_g)
+        h = h * tl.exp(b_g)  # b_g: [LV, 1, K // KL, KL] (KDA) or a scalar (GDN)
 
         if (OP == OP_COMMIT) and SAVED_U:
             u = tl.load(saved_u + u_off, mask=active, other=0.0)
@@ -230,15 +276,16 @@ def _delta_rule_recurrent_kernel(
             if BETA_LOGITS:
                 b_beta = tl.sigmoid(b_beta)
             b_beta = tl.where(active, b_beta, 0.0)
-            u = b_beta * (b_v - tl.sum(h * k_t[None, :], axis=1))
+            u = b_beta * (b_v - rows_dot(h, k_t))
             if (OP == OP_DEFERRED) and SAVED_U:
                 tl.store(saved_u + u_off, u)
-        h = h + u[:, None] * k_t[None, :]
+        h = h + u[:, :, None, None] * k_t
 
         if OP != OP_COMMIT:
             # padding rows have h = 0 and q = 0, so their output is exactly zero
-            q_t = load_head_vector(q, i_n64 * stride_q_n + t * stride_q_t + i_h * stride_q_h, active, K, QK_L2NORM)
-            b_o = tl.sum(h * (q_t * scale)[None, :], axis=1)
+            q_t = load_head_vector(q, i_n64 * stride_q_n + t * stride_q_t + i_h * stride_q_h, active,
+                                   K, LV, KL, QK_L2NORM)
+            b_o = rows_dot(h, q_t * scale)
             tl.store(o + i_n64 * stride_o_n + t * stride_o_t + i_hv * stride_o_h + offs_v,
                      b_o.to(o.dtype.element_ty))
         store_token_state(h, t, i_n, live, pool, buffer, state_indices, buffer_row, tile,
@@ -298,6 +345,16 @@ def block_v(N: int, HV: int, K: int, V: int, device: torch.device) -> tuple[int,
     while bv < min(V, 32) and N * HV * (V // (2 * bv)) >= 32768:
         bv *= 2
     return min(bv, V), max(1, K * bv // 4096)
+
+
+def tile_split(K: int, BV: int, per_channel_gate: bool, op: str) -> dict:
+    """LV (lane groups along V) and KL (channels per chunk) of the [LV, BV // LV, K // KL, KL]
+    state block; see the module docstring. Reductions over K with a scalar gate: 16 lanes x 4
+    channels along K, the rest of the warp along V; otherwise the plain [BV, K] layout."""
+    if per_channel_gate or op == "commit":
+        return dict(LV=1, KL=K)
+    KL = min(K, 64)
+    return dict(LV=min(BV, 32 // (KL // 4)), KL=KL)
 
 
 def protocol_args(op: str, *, state_pool, state_indices, num_accepted_tokens, intermediate_states,
@@ -382,7 +439,7 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
             q, k, v, g, beta, target, None if gate is None else gate.A_log.contiguous(), dt_bias, saved_u,
             *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta), *strides3(target),
             *strides3(saved_u),
-            T=T, scale=recipe.scale,
+            T=T, scale=recipe.scale, **tile_split(K, bv, per_channel, op),
             lower_bound=gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0,
             H=H, HV=HV, K=K, V=V, BV=bv, PER_CHANNEL_GATE=per_channel, FUSED_GATE=gate is not None,
             SAFE_GATE=gate is not None and gate.lower_bound is not None, QK_L2NORM=recipe.qk_l2norm,

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from ..delta_rule.recurrent_triton import (OP_COMMIT, block_v, device_guard, load_buffer_row, load_head_vector,
-                                           load_state, output_target, protocol_args, read_slot, state_tile,
-                                           store_final_state, store_token_state, strides3, tokens_to_run,
-                                           unit_last)
+                                           load_state, output_target, protocol_args, read_slot, rows_dot,
+                                           state_tile, store_final_state, store_token_state, strides3,
+                                           tile_rows, tile_split, tokens_to_run, unit_last)
 
 
 @triton.jit
@@ -32,36 +32,38 @@ def _lightning_recurrent_kernel(
     pool, buffer, state_indices, num_accepted, buffer_rows,
     stride_pool, stride_buf_r, stride_buf_t, stride_idx_n, stride_idx_t, num_columns,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    OP: tl.constexpr, QK_L2NORM: tl.constexpr,
+    LV: tl.constexpr, KL: tl.constexpr, OP: tl.constexpr, QK_L2NORM: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    offs_v = i_v * BV + tl.arange(0, BV)
+    offs_v = tile_rows(i_v, BV, LV)
 
     slot = read_slot(state_indices, num_accepted, i_n, stride_idx_n, stride_idx_t, num_columns, OP)
     live = slot >= 0
     count = tokens_to_run(num_accepted, i_n, live, T, OP)
-    tile = state_tile(i_hv, i_v, K, V, BV)
-    h = load_state(pool, slot, stride_pool, tile, live)  # h[v, k] = S[k, v]
+    tile = state_tile(i_hv, i_v, K, V, BV, LV, KL)
+    h = load_state(pool, slot, stride_pool, tile, live)  # h[lv, r, c, j] = S[c KL + j, offs_v[lv, r]]
     buffer_row = load_buffer_row(buffer_rows, i_n, OP)
     head_decay = tl.exp(tl.load(decay + i_hv).to(tl.float32))
 
     i_n64 = i_n.to(tl.int64)
     for t in range(T):
         active = t < count
-        k_t = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active, K, QK_L2NORM)
+        k_t = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active,
+                               K, LV, KL, QK_L2NORM)
         b_v = tl.load(v + i_n64 * stride_v_n + t * stride_v_t + i_hv * stride_v_h + offs_v,
                       mask=active, other=0.0).to(tl.float32)
         # an inactive token (past a commit's accepted count) leaves the state bit-identical:
         # h * 1 + 0 with k = v = 0
-        h = h * tl.where(active, head_decay, 1.0) + b_v[:, None] * k_t[None, :]
+        h = h * tl.where(active, head_decay, 1.0) + b_v[:, :, None, None] * k_t
         if OP != OP_COMMIT:
             # padding rows have h = 0 and q = 0, so their output is exactly zero
-            q_t = load_head_vector(q, i_n64 * stride_q_n + t * stride_q_t + i_h * stride_q_h, active, K, QK_L2NORM)
-            b_o = tl.sum(h * (q_t * scale)[None, :], axis=1)
+            q_t = load_head_vector(q, i_n64 * stride_q_n + t * stride_q_t + i_h * stride_q_h, active,
+                                   K, LV, KL, QK_L2NORM)
+            b_o = rows_dot(h, q_t * scale)
             tl.store(o + i_n64 * stride_o_n + t * stride_o_t + i_hv * stride_o_h + offs_v,
                      b_o.to(o.dtype.element_ty))
         store_token_state(h, t, i_n, live, pool, buffer, state_indices, buffer_row, tile,
@@ -95,6 +97,7 @@ def lightning_recurrent(recipe, q, k, v, decay, *, op, state_pool, state_indices
             q, k, v, decay.contiguous(), target,
             *strides3(q), *strides3(k), *strides3(v), *strides3(target),
             T=T, scale=recipe.scale, H=H, HV=HV, K=K, V=V, BV=bv, QK_L2NORM=recipe.qk_l2norm,
+            **tile_split(K, bv, False, op),
             num_warps=num_warps, **kernel_args,
         )
     if target is not out:
