@@ -94,6 +94,46 @@ def test_decode_matches_oracle(mode, state_dtype, input_dtype, shape, generator)
         assert torch.isnan(base[:, 1].float()).all(), "the other half of the strided pool was written"
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("columns", [4, 8], ids=["bv4", "bv8"])
+def test_narrow_tiles_split_lanes_along_v(mode, columns, monkeypatch, generator):
+    """The GPU's narrow V-tiles (4 and 8 columns at small batches) put lane groups along V and
+    apply q's and k's l2norm and scale to the rows (``tile_split``), which the interpreter's
+    default 32-column tiles never do: decode and a deferred verify + commit against the oracle."""
+    from cula_serve.kernels.delta_rule import recurrent_triton
+    monkeypatch.setattr(recurrent_triton, "block_v", lambda N, HV, K, V, device: (columns, 1))
+    if mode == "lightning":
+        from cula_serve.kernels.lightning import recurrent_triton as lightning_recurrent
+        monkeypatch.setattr(lightning_recurrent, "block_v", lambda N, HV, K, V, device: (columns, 1))
+    split = recurrent_triton.tile_split(GVA["K"], columns, mode == "kda", "deferred")
+    # K = 32: 8 lanes x 4 channels along K, so up to 4 lane groups along V
+    assert split["LV"] == (1 if mode == "kda" else 4) and split["NORM_ON_ROWS"] == (mode != "kda")
+    T = 3
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    pool, _ = _pool(GVA, torch.float32, [s for s in SLOTS if s >= 0], generator)
+    ref_pool = pool.double()
+    kw = random_inputs(mode, (len(SLOTS), T), **GVA, generator=generator)
+    q, k, v, rest = _split(kw)
+    o, pending = cula_verify(q, k, v, pool, mode=mode, protocol="deferred", state_indices=slots, **rest, **TRITON)
+    q64, k64, v64, rest64 = _split(to_float64(kw))
+    ref_o, ref_pending = cula_verify(q64, k64, v64, ref_pool, mode=mode, protocol="deferred", state_indices=slots,
+                                     **rest64, **ORACLE)
+    tol = tolerance(torch.bfloat16, torch.float32)
+    assert_close(o, ref_o, tol, "verify outputs")
+    accepted = torch.tensor([3, 0, 2, 1, 3, 2], dtype=torch.int32)
+    cula_commit(pending, accepted)
+    cula_commit(ref_pending, accepted, algorithm="recurrent", compute_dtype=torch.float64)
+    _assert_same_writes(pool, ref_pool, tol, "pool after commit")
+    step = {key: val[:, :1] for key, val in rest.items() if isinstance(val, torch.Tensor) and val.dim() >= 3}
+    o, _ = cula_decode(q[:, :1], k[:, :1], v[:, :1], pool, mode=mode, state_indices=slots, **{**rest, **step},
+                       **TRITON)
+    step64 = {key: val[:, :1] for key, val in rest64.items() if isinstance(val, torch.Tensor) and val.dim() >= 3}
+    ref_o, _ = cula_decode(q64[:, :1], k64[:, :1], v64[:, :1], ref_pool, mode=mode, state_indices=slots,
+                           **{**rest64, **step64}, **ORACLE)
+    assert_close(o, ref_o, tol, "decode outputs")
+    _assert_same_writes(pool, ref_pool, tol, "pool after decode")
+
+
 def test_decode_fp16_inputs_and_strided_views(generator):
     """fp16 q/k/v sliced from one fused projection (k even with strided head vectors), g and beta
     strided views, ``out`` with a strided last dim."""

@@ -32,7 +32,7 @@ def _lightning_recurrent_kernel(
     pool, buffer, state_indices, num_accepted, buffer_rows,
     stride_pool, stride_buf_r, stride_buf_t, stride_idx_n, stride_idx_t, num_columns,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    LV: tl.constexpr, KL: tl.constexpr, OP: tl.constexpr, QK_L2NORM: tl.constexpr,
+    LV: tl.constexpr, KL: tl.constexpr, NORM_ON_ROWS: tl.constexpr, OP: tl.constexpr, QK_L2NORM: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -52,18 +52,18 @@ def _lightning_recurrent_kernel(
     i_n64 = i_n.to(tl.int64)
     for t in range(T):
         active = t < count
-        k_t = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active,
-                               K, LV, KL, QK_L2NORM)
+        k_t, k_norm = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active,
+                                       1.0, K, LV, KL, QK_L2NORM, NORM_ON_ROWS)
         b_v = tl.load(v + i_n64 * stride_v_n + t * stride_v_t + i_hv * stride_v_h + offs_v,
                       mask=active, other=0.0).to(tl.float32)
         # an inactive token (past a commit's accepted count) leaves the state bit-identical:
         # h * 1 + 0 with k = v = 0
-        h = h * tl.where(active, head_decay, 1.0) + b_v[:, :, None, None] * k_t
+        h = h * tl.where(active, head_decay, 1.0) + (b_v * k_norm)[:, :, None, None] * k_t
         if OP != OP_COMMIT:
             # padding rows have h = 0 and q = 0, so their output is exactly zero
-            q_t = load_head_vector(q, i_n64 * stride_q_n + t * stride_q_t + i_h * stride_q_h, active,
-                                   K, LV, KL, QK_L2NORM)
-            b_o = rows_dot(h, q_t * scale)
+            q_t, q_norm = load_head_vector(q, i_n64 * stride_q_n + t * stride_q_t + i_h * stride_q_h, active,
+                                           scale, K, LV, KL, QK_L2NORM, NORM_ON_ROWS)
+            b_o = rows_dot(h, q_t) * q_norm
             tl.store(o + i_n64 * stride_o_n + t * stride_o_t + i_hv * stride_o_h + offs_v,
                      b_o.to(o.dtype.element_ty))
         store_token_state(h, t, i_n, live, pool, buffer, state_indices, buffer_row, tile,
