@@ -66,6 +66,12 @@ def _split(kw):
     return kw["q"], kw["k"], kw["v"], rest
 
 
+def _token(rest, t):
+    """``rest`` of ``_split`` with its per-token tensors ([N, T, ...]: g, beta) cut to token t."""
+    return {key: val[:, t:t + 1] if isinstance(val, torch.Tensor) and val.dim() >= 3 else val
+            for key, val in rest.items()}
+
+
 # ------------------------------------------------------------------------------------------------
 # decode
 
@@ -124,12 +130,10 @@ def test_narrow_tiles_split_lanes_along_v(mode, columns, monkeypatch, generator)
     cula_commit(pending, accepted)
     cula_commit(ref_pending, accepted, algorithm="recurrent", compute_dtype=torch.float64)
     _assert_same_writes(pool, ref_pool, tol, "pool after commit")
-    step = {key: val[:, :1] for key, val in rest.items() if isinstance(val, torch.Tensor) and val.dim() >= 3}
-    o, _ = cula_decode(q[:, :1], k[:, :1], v[:, :1], pool, mode=mode, state_indices=slots, **{**rest, **step},
+    o, _ = cula_decode(q[:, :1], k[:, :1], v[:, :1], pool, mode=mode, state_indices=slots, **_token(rest, 0),
                        **TRITON)
-    step64 = {key: val[:, :1] for key, val in rest64.items() if isinstance(val, torch.Tensor) and val.dim() >= 3}
     ref_o, _ = cula_decode(q64[:, :1], k64[:, :1], v64[:, :1], ref_pool, mode=mode, state_indices=slots,
-                           **{**rest64, **step64}, **ORACLE)
+                           **_token(rest64, 0), **ORACLE)
     assert_close(o, ref_o, tol, "decode outputs")
     _assert_same_writes(pool, ref_pool, tol, "pool after decode")
 
@@ -275,14 +279,12 @@ def test_verify_equals_decode_steps(mode, generator):
     kw = random_inputs(mode, (N, T), **GVA, generator=generator)
     pool, _ = _pool(GVA, torch.float32, [3, 0, 2], generator)
     q, k, v, rest = _split(kw)
-    per_token = {key: val for key, val in rest.items() if isinstance(val, torch.Tensor) and val.dim() >= 3}
 
     work = pool.clone()
     outputs, states = [], []
     for t in range(T):
-        step = {key: val[:, t:t + 1] for key, val in per_token.items()}
         o, _ = cula_decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], work, mode=mode, state_indices=slots,
-                           **{**rest, **step}, **TRITON)
+                           **_token(rest, t), **TRITON)
         outputs.append(o)
         states.append(work[slots[live].long()].clone())
     steps_o = torch.cat(outputs, 1)
