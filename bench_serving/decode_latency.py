@@ -176,6 +176,15 @@ def _print_peer(model, state, B, T, row):
         print(f"{head} {row['ms'] * 1e3:8.1f} us {extra}{ratio} {row['timing']}", flush=True)
 
 
+def _cula_backends(device) -> list[str]:
+    """cula-serve's GPU backends that run on ``device``, in dispatch order: each is timed (the
+    first is what dispatch picks for large batches; peers' ratios are against it)."""
+    from cula_serve import dispatch
+    names = [name for name in dispatch.preference("decode", device) if name != "torch"
+             and dispatch.backend_status(name, device)[0] is not None]
+    return names or ["torch"]
+
+
 def main(args) -> int:
     if not torch.cuda.is_available():
         print("decode-latency measures CUDA-graph replay: it needs a GPU")
@@ -187,6 +196,8 @@ def main(args) -> int:
     for line in peers.absence_lines(status):
         print(f"  {line}")
     versions = peers.peer_versions(status)
+    backends = _cula_backends(device)
+    print(f"  cula-serve backends timed: {', '.join(backends)}")
     generator = torch.Generator().manual_seed(args.seed)
     rows = []
     models = [m for m in MODEL_SHAPES if not args.filter or args.filter in m]
@@ -199,11 +210,15 @@ def main(args) -> int:
                 print(f"{model} {state} B{B}", file=sys.stderr, flush=True)
                 kw, pool, slots, columns = _inputs(mode, shape, B, 0, state_dtype, device, generator)
                 state_bytes = 2 * B * shape["HV"] * shape["V"] * shape["K"] * torch.finfo(state_dtype).bits // 8
-                decode_ms = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, 0, None), device)
-                rows.append(dict(model=model, state=state, B=B, op="decode", backend="cula", T=1, ms=decode_ms,
-                                 TBps=state_bytes / (decode_ms * 1e-3) / 1e12))
-                print(f"{model:12s} {state:9s} B{B:<4d} decode                cula       {decode_ms * 1e3:8.1f} us "
-                      f"{rows[-1]['TBps']:6.2f} TB/s", flush=True)
+                decode_ms = {}
+                for name in backends:
+                    decode_ms[name] = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, 0, None, name),
+                                                 device)
+                    rows.append(dict(model=model, state=state, B=B, op="decode", backend=f"cula-{name}", T=1,
+                                     ms=decode_ms[name], TBps=state_bytes / (decode_ms[name] * 1e-3) / 1e12))
+                    print(f"{model:12s} {state:9s} B{B:<4d} decode                {'cula-' + name:12s} "
+                          f"{decode_ms[name] * 1e3:8.1f} us {rows[-1]['TBps']:6.2f} TB/s", flush=True)
+                first = decode_ms[backends[0]]
                 steps = _peer_steps(mode, kw, pool, slots, columns, 0, state_dtype, versions)
                 if steps:
                     ref_o, ref_states = _reference(mode, kw, pool, slots, columns, 0, None)
@@ -211,26 +226,28 @@ def main(args) -> int:
                     row = dict(model=model, state=state, B=B, op=op, backend=peer, T=1,
                                **_run_peer(build, ref_o, ref_states, state_dtype, device))
                     if row["status"] == "ok":
-                        row.update(TBps=state_bytes / (row["ms"] * 1e-3) / 1e12, vs_cula=row["ms"] / decode_ms)
+                        row.update(TBps=state_bytes / (row["ms"] * 1e-3) / 1e12, vs_cula=row["ms"] / first)
                     rows.append(row)
                     _print_peer(model, state, B, 0, row)
                 for T in args.verify_tokens:
                     kw, pool, slots, columns = _inputs(mode, shape, B, T, state_dtype, device, generator)
                     cula_ms = {}
-                    for protocol in PROTOCOLS:
-                        ms = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, T, protocol), device)
-                        cula_ms[protocol] = ms
-                        rows.append(dict(model=model, state=state, B=B, op=f"verify+commit {protocol}", backend="cula",
-                                         T=T, ms=ms, vs_decode=ms / decode_ms))
-                        print(f"{model:12s} {state:9s} B{B:<4d} T{T} {protocol:9s} v+c   cula       {ms * 1e3:8.1f} us "
-                              f"{ms / decode_ms:5.2f}x decode", flush=True)
+                    for name in backends:
+                        for protocol in PROTOCOLS:
+                            ms = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, T, protocol, name), device)
+                            if name == backends[0]:
+                                cula_ms[protocol] = ms
+                            rows.append(dict(model=model, state=state, B=B, op=f"verify+commit {protocol}",
+                                             backend=f"cula-{name}", T=T, ms=ms, vs_decode=ms / decode_ms[name]))
+                            print(f"{model:12s} {state:9s} B{B:<4d} T{T} {protocol:9s} v+c   {'cula-' + name:12s} "
+                                  f"{ms * 1e3:8.1f} us {ms / decode_ms[name]:5.2f}x decode", flush=True)
                     for peer, op, build in _peer_steps(mode, kw, pool, slots, columns, T, state_dtype, versions):
                         protocol = op.split()[-1]
                         ref_o, ref_states = _reference(mode, kw, pool, slots, columns, T, protocol)
                         row = dict(model=model, state=state, B=B, op=op, backend=peer, T=T,
                                    **_run_peer(build, ref_o, ref_states, state_dtype, device))
                         if row["status"] == "ok":
-                            row.update(vs_decode=row["ms"] / decode_ms, vs_cula=row["ms"] / cula_ms[protocol])
+                            row.update(vs_decode=row["ms"] / first, vs_cula=row["ms"] / cula_ms[protocol])
                         rows.append(row)
                         _print_peer(model, state, B, T, row)
                 torch.cuda.empty_cache()
@@ -259,12 +276,13 @@ def plot(rows, path: Path):
     left.set_ylabel("TB/s of state traffic (higher is better)")
     left.set_title("decode, CUDA-graph replay")
     left.legend(fontsize=7)
-    verify = [r for r in rows if r["backend"] == "cula" and "vs_decode" in r and r["state"] == "float32"]
+    verify = [r for r in rows if r["backend"].startswith("cula") and "vs_decode" in r and r["state"] == "float32"]
     if verify:
         B = max(r["B"] for r in verify)
-        for key in dict.fromkeys((r["model"], r["op"]) for r in verify):
-            line = sorted((r["T"], r["vs_decode"]) for r in verify if (r["model"], r["op"]) == key and r["B"] == B)
-            right.plot(*zip(*line), marker="o", label=f"{key[0]} {key[1].split()[-1]}")
+        for key in dict.fromkeys((r["model"], r["op"], r["backend"]) for r in verify):
+            line = sorted((r["T"], r["vs_decode"]) for r in verify
+                          if (r["model"], r["op"], r["backend"]) == key and r["B"] == B)
+            right.plot(*zip(*line), marker="o", label=f"{key[0]} {key[1].split()[-1]} {key[2]}")
         right.set_title(f"cula-serve verify + commit, float32 pool, B = {B}")
     right.set_xlabel("verify tokens T")
     right.set_ylabel("time over one decode step (lower is better)")

@@ -31,7 +31,8 @@ def info() -> None:
     print(f"dispatch on {device}" + (f" (CULA_BACKEND={forced} forces it)" if forced else "") + ":")
     for op in dispatch.OPERATIONS:
         order = dispatch.preference(op, device)
-        chosen = next((b for b in order if dispatch.backend_status(b, device)[0]), None)
+        chosen = next((b for b in order if (module := dispatch.backend_status(b, device)[0]) is not None
+                       and op in module.OPERATIONS), None)
         print(f"  {op:8s} {' > '.join(order):24s} -> {forced or chosen}")
 
 

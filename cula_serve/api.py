@@ -168,7 +168,7 @@ def _check_out(out, shape, dtype, device):
     return out
 
 
-def _select(operation, device, backend, *, input_dtype, state_dtype, K, V):
+def _select(operation, device, backend, *, input_dtype, state_dtype, K, V, workload=None):
     def supports(module):
         if input_dtype not in module.INPUT_DTYPES:
             return f"q/k/v dtype {input_dtype} is not supported (supported: {module.INPUT_DTYPES})"
@@ -176,7 +176,7 @@ def _select(operation, device, backend, *, input_dtype, state_dtype, K, V):
             return f"state dtype {state_dtype} is not supported (supported: {module.STATE_DTYPES})"
         return module.head_dims_error(K, V)
 
-    return dispatch.select(operation, device, backend, supports)
+    return dispatch.select(operation, device, backend, supports, workload)
 
 
 def _int32(x):
@@ -392,7 +392,8 @@ def _multi_token(operation, q, k, v, state_pool, *, mode, g, beta, decay, scale,
                               lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
     _check_pool(state_pool, HV, K, V, device)
     out = _check_out(out, (*lead, HV, V), v.dtype, device)
-    module = _select(operation, device, backend, input_dtype=q.dtype, state_dtype=state_pool.dtype, K=K, V=V)
+    module = _select(operation, device, backend, input_dtype=q.dtype, state_dtype=state_pool.dtype, K=K, V=V,
+                     workload=dict(mode=mode, N=lead[0], T=lead[1], HV=HV))
     return lead, HV, V, recipe, g, beta, out, module
 
 
@@ -537,7 +538,7 @@ def cula_commit(pending: PendingCommit, num_accepted_tokens, *, backend=None, **
     K = pool.shape[-1]
     module = _select("commit", pool.device, backend or pending.backend,
                      input_dtype=pending.k.dtype if pending.k is not None else torch.float32,
-                     state_dtype=pool.dtype, K=K, V=pool.shape[-2])
+                     state_dtype=pool.dtype, K=K, V=pool.shape[-2], workload=dict(mode=pending.recipe.mode, N=N, T=T, HV=pool.shape[1]))
     if value_checks_enabled(num_accepted_tokens):
         check_range("num_accepted_tokens", num_accepted_tokens, 1 if pending.protocol == "slots" else 0, T)
     module.commit(pending.recipe, protocol=pending.protocol, state_pool=pool, state_indices=slots,

@@ -69,26 +69,38 @@ def requested_backend(backend: str | None) -> str | None:
     return name
 
 
-def select(operation: str, device: torch.device, backend: str | None, supports):
+def _operation_error(module, operation: str) -> str | None:
+    """Why ``module`` cannot run ``operation`` at all (a backend lists the operations it has)."""
+    if operation not in module.OPERATIONS:
+        return f"has no {operation} kernels (it provides {', '.join(module.OPERATIONS)})"
+    return None
+
+
+def select(operation: str, device: torch.device, backend: str | None, supports, workload: dict | None = None):
     """Pick the backend module for a call.
 
     ``supports(module)`` returns None if the module can serve this call's dtypes and head dims,
     else the reason. A named backend that cannot serve the call raises; in automatic mode the
-    next one in the table's order is tried.
+    next one in the table's order is tried. ``workload`` (N, T, HV of a decode / verify /
+    commit) lets a backend that knows it is slower on such a call defer to the next one
+    (``module.defers(operation, **workload)``), in automatic mode only.
     """
     name = requested_backend(backend)
     if name is not None:
         module, reason = backend_status(name, device)
         if module is None:
             raise BackendUnavailableError(f"backend {name!r} is not available on {device}: {reason}")
-        reason = supports(module)
+        reason = _operation_error(module, operation) or supports(module)
         if reason:
             raise ValueError(f"backend {name!r} cannot serve this call: {reason}")
         return module
     reasons = []
-    for candidate in preference(operation, device):
+    candidates = preference(operation, device)
+    for position, candidate in enumerate(candidates):
         module, reason = backend_status(candidate, device)
-        reason = reason or supports(module)
+        reason = reason or _operation_error(module, operation) or supports(module)
+        if not reason and workload is not None and position + 1 < len(candidates) and hasattr(module, "defers"):
+            reason = module.defers(operation, **workload)
         if not reason:
             return module
         reasons.append(f"{candidate}: {reason}")

@@ -46,3 +46,35 @@ def test_info_command_lists_every_backend():
     for name in ("cute", "triton", "torch", "prefill", "decode", "verify", "commit"):
         assert name in result.stdout
     assert "torch   available" in result.stdout
+
+
+def test_backend_without_an_operation_is_skipped_or_refused(monkeypatch):
+    """A backend lists the operations it has kernels for: automatic dispatch passes the others to
+    the next backend in the table, and naming it for one of them says what it lacks."""
+    cpu = torch.device("cpu")
+    torch_module = dispatch.backend_status("torch", cpu)[0]
+    decode_only = type("DecodeOnly", (), dict(NAME="decode_only", OPERATIONS=("decode",)))
+    status = {"cute": (decode_only, None), "triton": (None, "absent"), "torch": (torch_module, None)}
+    monkeypatch.setattr(dispatch, "backend_status", lambda name, device: status[name])
+    monkeypatch.setattr(dispatch, "CPU_DEFAULT", ("cute", "torch"))
+    always = lambda module: None  # noqa: E731
+    assert dispatch.select("decode", cpu, None, always) is decode_only
+    assert dispatch.select("prefill", cpu, None, always) is torch_module
+    with pytest.raises(ValueError, match="has no prefill kernels"):
+        dispatch.select("prefill", cpu, "cute", always)
+
+
+def test_backend_defers_only_in_automatic_mode(monkeypatch):
+    """A backend's ``defers`` hook (it knows the next backend is faster on such a call) moves an
+    automatic call on, never a call that names the backend."""
+    cpu = torch.device("cpu")
+    torch_module = dispatch.backend_status("torch", cpu)[0]
+    small_shy = type("SmallShy", (), dict(NAME="small_shy", OPERATIONS=("decode",),
+                                          defers=staticmethod(lambda op, mode, N, T, HV: "small" if N < 8 else None)))
+    status = {"cute": (small_shy, None), "triton": (None, "absent"), "torch": (torch_module, None)}
+    monkeypatch.setattr(dispatch, "backend_status", lambda name, device: status[name])
+    monkeypatch.setattr(dispatch, "CPU_DEFAULT", ("cute", "torch"))
+    always = lambda module: None  # noqa: E731
+    assert dispatch.select("decode", cpu, None, always, dict(mode="gdn", N=1, T=1, HV=4)) is torch_module
+    assert dispatch.select("decode", cpu, None, always, dict(mode="gdn", N=64, T=1, HV=4)) is small_shy
+    assert dispatch.select("decode", cpu, "cute", always, dict(mode="gdn", N=1, T=1, HV=4)) is small_shy

@@ -3,6 +3,7 @@
 A backend module exposes
 
     NAME                       "cute" | "triton" | "torch"
+    OPERATIONS                 the operations it has kernels for (dispatch skips it for the others)
     INPUT_DTYPES, STATE_DTYPES the q/k/v and state-pool dtypes it accepts
     availability(device)       -> None if usable on that torch.device, else the reason why not
     head_dims_error(K, V)      -> None if supported, else the reason why not

@@ -22,6 +22,7 @@ from ..lightning.chunk_torch import lightning_chunked
 from ..lightning.naive import lightning_recurrence
 
 NAME = "torch"
+OPERATIONS = ("prefill", "decode", "verify", "commit")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 ALGORITHMS = ("chunk", "recurrent")

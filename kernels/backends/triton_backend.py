@@ -26,6 +26,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"triton does not import ({err})"
 
 NAME = "triton"
+OPERATIONS = ("prefill", "decode", "verify", "commit")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128, 256)

@@ -70,7 +70,9 @@ import torch
 import triton
 import triton.language as tl
 
-OPS = ("decode", "buffer", "slots", "deferred", "commit")  # an op's code is its index
+from ..common.pool_protocol import (OPS, check_protocol, check_saved_u, check_state_layout, output_target,
+                                    strides3, unit_last)
+
 OP_DECODE, OP_BUFFER, OP_SLOTS, OP_DEFERRED, OP_COMMIT = (tl.constexpr(code) for code in range(len(OPS)))
 
 L2NORM_EPS = tl.constexpr(1e-6)
@@ -310,32 +312,6 @@ def device_guard(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def strides3(x: torch.Tensor | None) -> tuple[int, int, int]:
-    """(n, t, head) strides of a per-token tensor [N, T, heads, ...]; zeros when absent."""
-    return (0, 0, 0) if x is None else tuple(x.stride()[:3])
-
-
-def unit_last(x: torch.Tensor | None) -> torch.Tensor | None:
-    """The kernels read head vectors ([K] or [V]) with unit stride; copy only when they are not."""
-    return x if x is None or x.stride(-1) == 1 else x.contiguous()
-
-
-def output_target(out: torch.Tensor | None) -> torch.Tensor | None:
-    """Where the kernel writes the outputs: ``out`` itself unless its rows are strided, then a
-    contiguous scratch tensor the caller copies back."""
-    return out if out is None or out.stride(-1) == 1 else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-
-
-def _check_state_layout(name: str, x: torch.Tensor, first_inner_dim: int):
-    """Dims from ``first_inner_dim`` on must be contiguous ([.., HV, V, K] with unit K stride)."""
-    expected = 1
-    for dim in range(x.dim() - 1, first_inner_dim - 1, -1):
-        if x.shape[dim] != 1 and x.stride(dim) != expected:
-            raise ValueError(f"{name}: the [HV, V, K] dims must be contiguous (only the leading dims may be "
-                             f"strided), got shape {list(x.shape)} with strides {list(x.stride())}")
-        expected *= x.shape[dim]
-
-
 def block_v(N: int, HV: int, K: int, V: int, device: torch.device) -> tuple[int, int]:
     """(BV, num_warps) for a [N, HV] grid of heads with V columns each.
 
@@ -382,25 +358,9 @@ def tile_split(K: int, BV: int, per_channel_gate: bool, op: str) -> dict:
 def protocol_args(op: str, *, state_pool, state_indices, num_accepted_tokens, intermediate_states,
                   intermediate_indices, T: int) -> dict:
     """Check the pool-side tensors of ``op`` and turn them into kernel arguments."""
-    if op not in OPS:
-        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
-    _check_state_layout("state_pool", state_pool, 1)
-    if op == "slots":
-        if state_indices.dim() != 2 or state_indices.shape[1] < T:
-            raise ValueError(f"state_indices: the slots protocol needs [N, T_cols >= {T}], "
-                             f"got {list(state_indices.shape)}")
-    elif state_indices.dim() != 1:
-        raise ValueError(f"state_indices: expected [N], got {list(state_indices.shape)}")
-    if (op in ("slots", "commit")) != (num_accepted_tokens is not None):
-        raise ValueError(f"num_accepted_tokens: needed by the slots verify and the commit only (op={op!r})")
-    buffer_strides = (0, 0)
-    if op == "buffer":
-        if intermediate_states is None or intermediate_indices is None:
-            raise ValueError("intermediate_states, intermediate_indices: required by the buffer protocol")
-        _check_state_layout("intermediate_states", intermediate_states, 2)
-        if intermediate_states.shape[1] < T:
-            raise ValueError(f"intermediate_states: room for {intermediate_states.shape[1]} tokens, need {T}")
-        buffer_strides = tuple(intermediate_states.stride()[:2])
+    check_protocol(op, state_pool=state_pool, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
+                   intermediate_states=intermediate_states, intermediate_indices=intermediate_indices, T=T)
+    buffer_strides = tuple(intermediate_states.stride()[:2]) if op == "buffer" else (0, 0)
     return dict(
         pool=state_pool, buffer=intermediate_states if op == "buffer" else None,
         state_indices=state_indices, num_accepted=num_accepted_tokens,
@@ -449,12 +409,7 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
         g = unit_last(g)
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     target = output_target(out)
-    if saved_u is not None:
-        if op not in ("deferred", "commit"):
-            raise ValueError(f"saved_u: only the deferred verify and its commit use it (op={op!r})")
-        if saved_u.dtype != torch.float32 or tuple(saved_u.shape) != (N, T, HV, V) or saved_u.stride(-1) != 1:
-            raise ValueError(f"saved_u: expected float32 [N, T, HV, V] = {[N, T, HV, V]} with unit last stride, "
-                             f"got {saved_u.dtype} {list(saved_u.shape)} strides {list(saved_u.stride())}")
+    check_saved_u(saved_u, op, (N, T, HV, V))
     bv, num_warps = block_v(N, HV, K, V, v.device)
     with device_guard(v.device):
         _delta_rule_recurrent_kernel[(N * HV, V // bv)](
@@ -514,13 +469,13 @@ def copy_committed_states(protocol, *, state_pool, state_indices, num_accepted_t
     num_accepted_tokens int32 [N]; intermediate_states [R, T_buf, HV, V, K] in the pool dtype,
     intermediate_indices int32 [N]. Rows with a negative slot are untouched; a bit-exact copy.
     """
-    _check_state_layout("state_pool", state_pool, 1)
+    check_state_layout("state_pool", state_pool, 1)
     N = state_indices.shape[0]
     slot_size = state_pool[0].numel()
     if protocol == "buffer":
         if state_indices.dim() != 1:
             raise ValueError(f"state_indices: expected [N], got {list(state_indices.shape)}")
-        _check_state_layout("intermediate_states", intermediate_states, 2)
+        check_state_layout("intermediate_states", intermediate_states, 2)
         source, (stride_0, stride_1) = intermediate_states, intermediate_states.stride()[:2]
         num_columns, stride_idx_t = intermediate_states.shape[1], 0
     elif protocol == "slots":

@@ -15,10 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common.pool_protocol import output_target, strides3, unit_last
 from ..delta_rule.recurrent_triton import (OP_COMMIT, block_v, device_guard, load_buffer_row, load_head_vector,
-                                           load_state, output_target, protocol_args, read_slot, rows_dot,
-                                           state_tile, store_final_state, store_token_state, strides3,
-                                           tile_rows, tile_split, tokens_to_run, unit_last)
+                                           load_state, protocol_args, read_slot, rows_dot, state_tile,
+                                           store_final_state, store_token_state, tile_rows, tile_split,
+                                           tokens_to_run)
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""The triton backend's decode, verify and commit on a GPU at the model shapes (DESIGN section 1):
+"""The GPU backends' decode, verify and commit (triton, and cute where it is available) on a GPU at
+the model shapes (DESIGN section 1):
 against the float64 oracle at batch 1, 8 and 64 with permuted and padded (NaN-poisoned) slots,
 every MTP protocol and accepted length, and under CUDA graphs: captured once with static buffers,
 replayed with new inputs, indices and accepted counts, and compared with eager calls.
@@ -10,7 +11,7 @@ the same GPU: the math is the same as on the CPU and the model shapes are large 
 import pytest
 import torch
 
-from cula_serve import cula_commit, cula_decode, cula_verify
+from cula_serve import cula_commit, cula_decode, cula_verify, dispatch
 from cula_serve.inputs import MODE_SHAPES, random_inputs, relative_error, to_float64
 
 from conftest import ORACLE, assert_close, skip_module_unless_gpu, tolerance
@@ -20,12 +21,20 @@ pytestmark = pytest.mark.gpu
 skip_module_unless_gpu()
 
 DEVICE = torch.device("cuda")
-TRITON = dict(backend="triton")
 ORACLE_COMMIT = dict(algorithm="recurrent", compute_dtype=torch.float64)
 SHAPES = MODE_SHAPES
 MODES = ["gdn", "kda", "lightning"]
 BATCHES = [1, 8, 64]
 T = 4
+
+
+@pytest.fixture(params=["triton", "cute"])
+def backend(request):
+    """The backend under test as call keywords; skipped where it cannot run."""
+    module, reason = dispatch.backend_status(request.param, DEVICE)
+    if module is None:
+        pytest.skip(f"{request.param}: {reason}")
+    return dict(backend=request.param)
 
 
 def _generators(seed):
@@ -95,7 +104,7 @@ def _read_slots(protocol, call):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("B", BATCHES)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_decode_model_shapes(mode, B, state_dtype):
+def test_decode_model_shapes(mode, B, state_dtype, backend):
     cpu_gen, gpu_gen = _generators(B)
     shape = SHAPES[mode]
     slots, P = _slots(B, cpu_gen)
@@ -103,7 +112,7 @@ def test_decode_model_shapes(mode, B, state_dtype):
     kw = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
     ref_pool = pool.double()
     q, k, v, rest = _split(kw)
-    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **TRITON)
+    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
     q, k, v, rest = _split(to_float64(kw))
     ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
     tol = tolerance(torch.bfloat16, state_dtype)
@@ -115,7 +124,7 @@ def test_decode_model_shapes(mode, B, state_dtype):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("protocol", ["buffer", "slots", "deferred"])
 @pytest.mark.parametrize("B", BATCHES)
-def test_verify_and_commit_model_shapes(mode, protocol, B):
+def test_verify_and_commit_model_shapes(mode, protocol, B, backend):
     """bf16 inputs, fp32 pool; the verify outputs, what the verify writes, and the pool after a
     commit whose accepted counts cover every length."""
     cpu_gen, gpu_gen = _generators(100 + B)
@@ -128,7 +137,7 @@ def test_verify_and_commit_model_shapes(mode, protocol, B):
         ref_call["intermediate_states"] = call["intermediate_states"].double()
     kw = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
     q, k, v, rest = _split(kw)
-    o, pending = cula_verify(q, k, v, pool, mode=mode, protocol=protocol, **call, **rest, **TRITON)
+    o, pending = cula_verify(q, k, v, pool, mode=mode, protocol=protocol, **call, **rest, **backend)
     q, k, v, rest = _split(to_float64(kw))
     ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode=mode, protocol=protocol, **ref_call, **rest, **ORACLE)
     tol = tolerance(torch.bfloat16, torch.float32)
@@ -140,6 +149,53 @@ def test_verify_and_commit_model_shapes(mode, protocol, B):
     cula_commit(pending, accepted)
     cula_commit(ref_pending, accepted, **ORACLE_COMMIT)
     _assert_same_writes(pool, ref_pool, tol, "pool after commit")
+
+
+@pytest.mark.parametrize("mode, gate", [("gdn", "prepared"), ("kda", "prepared"), ("kda", "safe")])
+def test_decode_gate_variants(mode, gate, backend):
+    """The gates random_inputs does not draw: a prepared log decay with beta in (0, 1), and the
+    safe gate lower_bound * sigmoid(A (a + dt_bias)) (KDA's option)."""
+    B = 8
+    cpu_gen, gpu_gen = _generators(3)
+    shape = SHAPES[mode]
+    slots, P = _slots(B, cpu_gen)
+    pool = _pool(P, shape, torch.float32, slots, gpu_gen)
+    kw = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen, fused_gate=gate == "safe")
+    if gate == "safe":
+        kw["lower_bound"] = -5.0
+    ref_pool = pool.double()
+    q, k, v, rest = _split(kw)
+    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
+    q, k, v, rest = _split(to_float64(kw))
+    ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
+    tol = tolerance(torch.bfloat16, torch.float32)
+    assert_close(o, ref_o, tol)
+    _assert_same_writes(pool, ref_pool, tol)
+
+
+@pytest.mark.parametrize("page_pad", [4, 1])
+def test_decode_paged_pool(page_pad, backend):
+    """A pool strided in its slot dim, as an engine's pages: slots padded by 4 floats (16-byte
+    aligned) and by 1 (only 4-byte aligned; kernels that vectorise state loads must not)."""
+    B, mode = 8, "gdn"
+    cpu_gen, gpu_gen = _generators(5)
+    shape = SHAPES[mode]
+    slots, P = _slots(B, cpu_gen)
+    dense = _pool(P, shape, torch.float32, slots, gpu_gen)
+    slot_size = dense[0].numel()
+    pages = torch.full((P, slot_size + page_pad), float("nan"), device=DEVICE)
+    pool = pages[:, :slot_size].view(P, *dense.shape[1:])
+    pool.copy_(dense)
+    kw = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
+    ref_pool = dense.double()
+    q, k, v, rest = _split(kw)
+    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
+    q, k, v, rest = _split(to_float64(kw))
+    ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
+    tol = tolerance(torch.bfloat16, torch.float32)
+    assert_close(o, ref_o, tol)
+    _assert_same_writes(pool, ref_pool, tol)
+    assert torch.isnan(pages[:, slot_size:]).all(), "wrote into the padding between slots"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,7 +231,7 @@ def _same(x, y, what):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_graph_decode(mode):
+def test_cuda_graph_decode(mode, backend):
     B = 8
     cpu_gen, gpu_gen = _generators(7)
     shape = SHAPES[mode]
@@ -186,7 +242,7 @@ def test_cuda_graph_decode(mode):
     static["state_indices"] = slots.clone()
     out = torch.empty(B, 1, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
     q, k, v, rest = _split(static)
-    graph, _ = _capture(lambda: cula_decode(q, k, v, pool, mode=mode, out=out, **rest, **TRITON))
+    graph, _ = _capture(lambda: cula_decode(q, k, v, pool, mode=mode, out=out, **rest, **backend))
 
     for _ in range(2):
         new = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
@@ -196,7 +252,7 @@ def test_cuda_graph_decode(mode):
         graph.replay()
         expected_pool = initial.clone()
         nq, nk, nv, nrest = _split(new)
-        expected_o, _ = cula_decode(nq, nk, nv, expected_pool, mode=mode, **nrest, **TRITON)
+        expected_o, _ = cula_decode(nq, nk, nv, expected_pool, mode=mode, **nrest, **backend)
         torch.cuda.synchronize()
         _same(out, expected_o, "decode outputs")
         _same(pool, expected_pool, "pool after decode")
@@ -204,7 +260,7 @@ def test_cuda_graph_decode(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("protocol", ["buffer", "slots", "deferred"])
-def test_cuda_graph_verify_and_commit(mode, protocol):
+def test_cuda_graph_verify_and_commit(mode, protocol, backend):
     """Verify and commit captured as two graphs (engines run the commit after sampling)."""
     B = 8
     cpu_gen, gpu_gen = _generators(11)
@@ -220,7 +276,7 @@ def test_cuda_graph_verify_and_commit(mode, protocol):
     out = torch.empty(B, T, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
     q, k, v, rest = _split(static)
     graph_verify, (_, pending) = _capture(
-        lambda: cula_verify(q, k, v, pool, mode=mode, protocol=protocol, out=out, **rest, **TRITON))
+        lambda: cula_verify(q, k, v, pool, mode=mode, protocol=protocol, out=out, **rest, **backend))
     graph_commit, _ = _capture(lambda: cula_commit(pending, static_accepted))
 
     for seed in range(2):
@@ -240,7 +296,7 @@ def test_cuda_graph_verify_and_commit(mode, protocol):
             new["intermediate_states"] = torch.zeros_like(static["intermediate_states"])
         nq, nk, nv, nrest = _split(new)
         expected_o, expected_pending = cula_verify(nq, nk, nv, expected_pool, mode=mode, protocol=protocol,
-                                                   **nrest, **TRITON)
+                                                   **nrest, **backend)
         cula_commit(expected_pending, new_accepted.roll(seed + 1))
         torch.cuda.synchronize()
         _same(out, expected_o, "verify outputs")

@@ -1,0 +1,106 @@
+"""The ``cute`` backend: CuTe DSL kernels for Hopper (SM90), from ``nvidia-cutlass-dsl``.
+
+    decode, verify (buffer, slots, deferred), deferred commit
+             kernels/delta_rule/recurrent_cute.py (gdn, kda and lightning: one kernel)
+    buffer / slots commit
+             the Triton backend's state copy (a plain copy of one state per sequence)
+
+Prefill has no CuTe DSL kernel yet: dispatch passes it to the next backend (``OPERATIONS``).
+Shapes, dtypes, pool semantics and the three MTP protocols are those of the torch backend, the
+reference. Nothing synchronises with the host or compiles after the first call of a shape, so
+decode, verify and commit can be captured in CUDA graphs (warm up first: ``cula_serve.warmup``).
+This backend takes no backend-specific keyword arguments.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from ..delta_rule import recurrent_cute
+    _IMPORT_ERROR = None
+except ImportError as err:  # pragma: no cover - depends on the environment
+    _IMPORT_ERROR = f"nvidia-cutlass-dsl does not import ({err})"
+
+NAME = "cute"
+OPERATIONS = ("decode", "verify", "commit")
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+HEAD_DIMS_K = (32, 64, 128, 256)  # 32 lanes x K / 32 channels
+HEAD_DIMS_V = (16, 32, 64, 128, 256)
+
+
+def availability(device: torch.device) -> str | None:
+    if _IMPORT_ERROR:
+        return _IMPORT_ERROR
+    if device.type != "cuda":
+        return f"CuTe DSL kernels run on CUDA GPUs only, not on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"the kernels are built for SM90 (Hopper), {device} is {major}.{minor}"
+    return None
+
+
+def head_dims_error(K: int, V: int) -> str | None:
+    if K in HEAD_DIMS_K and V in HEAD_DIMS_V:
+        return None
+    return f"head dims K={K}, V={V}: the CuTe DSL kernels take K in {HEAD_DIMS_K} and V in {HEAD_DIMS_V}"
+
+
+def defers(operation: str, *, mode: str, N: int, T: int, HV: int) -> str | None:
+    """Why automatic dispatch should pass this call to the next backend although this one can
+    run it: where the Triton kernels measured faster (H200, CUDA-graph replay, 2026-11-24;
+    BENCHMARKS.md). Decode below 2048 heads (B < 64 at 32 heads): equal or slower (GDN B = 8:
+    15.0 against 14.4 us); GDN's verify: slower from B = 8 on (B = 64, T = 4, deferred + commit:
+    166.9 against 153.2 us), because the Triton kernel splits its lanes along V for scalar-gate
+    reductions and this one does not yet."""
+    if operation == "decode" and N * HV < 2048:
+        return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
+    if operation == "verify" and mode == "gdn" and N > 1:
+        return "GDN verify: the triton kernel is faster"
+    return None
+
+
+def _no_options(operation: str, kwargs: dict):
+    if kwargs:
+        raise TypeError(f"cute backend {operation}: unexpected keyword arguments {sorted(kwargs)}")
+
+
+def decode(recipe, q, k, v, g, beta, *, state_pool, state_indices, out, **kwargs):
+    """One token per sequence, pool updated in place; shapes as for the triton backend's ``decode``."""
+    _no_options("decode", kwargs)
+    token = lambda x: None if x is None else x.unsqueeze(1)  # noqa: E731  ([N, ...] -> [N, 1, ...])
+    recurrent_cute.recurrent(recipe, token(q), token(k), token(v), token(g) if recipe.delta_rule else g,
+                             token(beta), op="decode", state_pool=state_pool, state_indices=state_indices,
+                             out=token(out))
+
+
+def verify(recipe, q, k, v, g, beta, *, protocol, state_pool, state_indices, num_accepted_tokens,
+           intermediate_states, intermediate_indices, out, **kwargs):
+    """MTP verify of T tokens for N sequences, as the triton backend's ``verify`` (a deferred
+    delta-rule verify returns the tokens' u, float32 [N, T, HV, V], for ``commit``)."""
+    _no_options("verify", kwargs)
+    saved = None
+    if protocol == "deferred" and recipe.delta_rule:
+        saved = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    recurrent_cute.recurrent(recipe, q, k, v, g, beta, op=protocol, state_pool=state_pool,
+                             state_indices=state_indices, out=out,
+                             num_accepted_tokens=num_accepted_tokens if protocol == "slots" else None,
+                             intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
+                             saved_u=saved)
+    return saved
+
+
+def commit(recipe, *, protocol, state_pool, state_indices, num_accepted_tokens, intermediate_states,
+           intermediate_indices, k, v, g, beta, saved=None, **kwargs):
+    """As the triton backend's ``commit``: "deferred" replays the accepted tokens (from the
+    verify's ``saved`` u when given), "buffer" and "slots" copy one saved state per sequence."""
+    _no_options("commit", kwargs)
+    if protocol == "deferred":
+        recurrent_cute.recurrent(recipe, None, k, v, g, beta, op="commit", state_pool=state_pool,
+                                 state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
+                                 saved_u=saved if recipe.delta_rule else None)
+        return
+    from ..delta_rule.recurrent_triton import copy_committed_states
+    copy_committed_states(protocol, state_pool=state_pool, state_indices=state_indices,
+                          num_accepted_tokens=num_accepted_tokens, intermediate_states=intermediate_states,
+                          intermediate_indices=intermediate_indices)
