@@ -25,9 +25,16 @@ Reductions. Each token reduces every column over K (``S^T k``, ``S^T q``): R sum
 over the 32 lanes. A butterfly per column costs 5 R shuffles. Instead the R partial sums are
 reduce-scattered (``_scatter_sum``): at each of log2(R) rounds a lane keeps half of its values and
 adds its partner's copy of that half, one shuffle per kept value (R - 1 in all), then 5 - log2(R)
-butterfly rounds finish a single value, the full sum of column ``_scattered_row(lane)``. The
+butterfly rounds finish a single value, the full sum of one column (``_writer_row``). The
 output needs nothing more (that lane writes it); u is needed by every lane, R more shuffles
 (``_all_sum``). For R = 8: 9 and 17 shuffles instead of 40.
+
+Latency. Decode of a few sequences is a chain of dependent DRAM round trips: the slot index, the
+state, the store. The token inputs (q, k, v, gate, beta) do not depend on the slot, so they are
+loaded first (two tokens ahead) and token 0 is normalised before the branch on the slot; the
+state is staged through shared memory by cp.async, issued as soon as the slot is known. (With a
+plain register load ptxas placed the state load after the gate's arithmetic, i.e. after the
+inputs had arrived: one more round trip, 1 us at B = 1 on an H200.)
 
 Padding rows (slot < 0) read and write no state and get zero outputs (and zero saved u); a commit
 runs only its accepted tokens (a warp-uniform branch on ``num_accepted_tokens``).
@@ -82,7 +89,7 @@ def _butterfly(x: Float32, first_offset: cutlass.Constexpr[int]) -> Float32:
 @cute.jit
 def _scatter_sum(values: list, lane: Int32) -> Float32:
     """Reduce-scatter R = len(values) per-lane partial sums (R a power of two <= 32): returns the
-    sum over all 32 lanes of ``values[_scattered_row(lane, R)]``."""
+    sum over all 32 lanes of ``values[row]``, row = ``_writer_row(lane, R)[1]``."""
     offset = 16
     while cutlass.const_expr(len(values) > 1):
         half = len(values) // 2
@@ -448,7 +455,7 @@ def _launch(
 # ------------------------------------------------------------------------------------------------
 # host side (shape-only Python: safe inside CUDA-graph capture)
 
-# pointer arguments of ``_launch`` in order: (name, alignment class)
+# the tensors behind ``_launch``'s pointer arguments, in order
 _POINTERS = ("q", "k", "v", "g", "beta", "o", "saved_u", "A_log", "dt_bias", "pool", "buffer",
              "state_indices", "num_accepted", "buffer_rows")
 
