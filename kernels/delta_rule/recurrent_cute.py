@@ -87,6 +87,18 @@ def _butterfly(x: Float32, first_offset: cutlass.Constexpr[int]) -> Float32:
 
 
 @cute.jit
+def _row_partials(S: cute.Tensor, x: list, R: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int]) -> list:
+    """This lane's part of every column's dot product with the K-vector x: R partial sums."""
+    partial = []
+    for r in cutlass.range_constexpr(R):
+        acc = Float32(0.0)
+        for c in cutlass.range_constexpr(VEC):
+            acc = acc + S[r, c] * x[c]
+        partial.append(acc)
+    return partial
+
+
+@cute.jit
 def _scatter_sum(values: list, lane: Int32) -> Float32:
     """Reduce-scatter R = len(values) per-lane partial sums (R a power of two <= 32): returns the
     sum over all 32 lanes of ``values[row]``, row = ``_writer_row(lane, R)[1]``."""
@@ -361,13 +373,7 @@ def _recurrent_kernel(
                 # for a commit that has it)
                 u = v_raw
                 if cutlass.const_expr(DELTA and not (OP == OP_COMMIT and SAVED_U)):
-                    partial = []
-                    for r in cutlass.range_constexpr(R):
-                        acc = Float32(0.0)
-                        for c in cutlass.range_constexpr(VEC):
-                            acc = acc + S[r, c] * kt[c]
-                        partial.append(acc)
-                    predicted = _all_sum(partial, lane)
+                    predicted = _all_sum(_row_partials(S, kt, R, VEC), lane)
                     u = [b * (v_raw[r] - predicted[r]) for r in range(R)]
                     if cutlass.const_expr(OP == OP_DEFERRED and SAVED_U):
                         if lane < R:
@@ -377,13 +383,7 @@ def _recurrent_kernel(
                         S[r, c] = S[r, c] + u[r] * kt[c]
                 # output
                 if cutlass.const_expr(OP != OP_COMMIT):
-                    partial = []
-                    for r in cutlass.range_constexpr(R):
-                        acc = Float32(0.0)
-                        for c in cutlass.range_constexpr(VEC):
-                            acc = acc + S[r, c] * qt[c]
-                        partial.append(acc)
-                    total = _scatter_sum(partial, lane)
+                    total = _scatter_sum(_row_partials(S, qt, R, VEC), lane)
                     if writes:
                         o[i_n, t, i_hv, v0 + writer_row] = total.to(o.element_type)
                 # states the protocol keeps per token
@@ -461,7 +461,7 @@ _POINTERS = ("q", "k", "v", "g", "beta", "o", "saved_u", "A_log", "dt_bias", "po
 
 
 def _pointer(dtype: torch.dtype, address: int, vector: bool = False):
-    element = torch.tensor([], dtype=dtype).element_size()
+    element = dtype.itemsize
     return make_ptr(DTYPES[dtype], address, AddressSpace.gmem, assumed_align=16 if vector else element)
 
 

@@ -89,6 +89,20 @@ def _protocol_layout(protocol, B, generator):
     return P + B * T, dict(state_indices=columns.to(DEVICE), num_accepted_tokens=prev.to(DEVICE)), 1 + accepted % T
 
 
+def _check_decode(mode, kw, pool, ref_pool, slots, backend, state_dtype):
+    """One decode of ``kw`` on ``pool`` by ``backend`` against the float64 oracle on ``ref_pool``
+    (the same states in float64): outputs, and the pool written exactly where the oracle's is.
+    Returns the outputs."""
+    q, k, v, rest = _split(kw)
+    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
+    q, k, v, rest = _split(to_float64(kw))
+    ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
+    tol = tolerance(torch.bfloat16, state_dtype)
+    assert_close(o, ref_o, tol)
+    _assert_same_writes(pool, ref_pool, tol)
+    return o
+
+
 def _read_slots(protocol, call):
     """The slot each row's initial state is read from."""
     indices = call["state_indices"]
@@ -110,15 +124,8 @@ def test_decode_model_shapes(mode, B, state_dtype, backend):
     slots, P = _slots(B, cpu_gen)
     pool = _pool(P, shape, state_dtype, slots, gpu_gen)
     kw = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
-    ref_pool = pool.double()
-    q, k, v, rest = _split(kw)
-    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
-    q, k, v, rest = _split(to_float64(kw))
-    ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
-    tol = tolerance(torch.bfloat16, state_dtype)
-    assert_close(o, ref_o, tol)
+    o = _check_decode(mode, kw, pool, pool.double(), slots, backend, state_dtype)
     assert (o[slots < 0] == 0).all()
-    _assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -163,14 +170,7 @@ def test_decode_gate_variants(mode, gate, backend):
     kw = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen, fused_gate=gate == "safe")
     if gate == "safe":
         kw["lower_bound"] = -5.0
-    ref_pool = pool.double()
-    q, k, v, rest = _split(kw)
-    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
-    q, k, v, rest = _split(to_float64(kw))
-    ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
-    tol = tolerance(torch.bfloat16, torch.float32)
-    assert_close(o, ref_o, tol)
-    _assert_same_writes(pool, ref_pool, tol)
+    _check_decode(mode, kw, pool, pool.double(), slots, backend, torch.float32)
 
 
 @pytest.mark.parametrize("page_pad", [4, 1])
@@ -187,14 +187,7 @@ def test_decode_paged_pool(page_pad, backend):
     pool = pages[:, :slot_size].view(P, *dense.shape[1:])
     pool.copy_(dense)
     kw = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
-    ref_pool = dense.double()
-    q, k, v, rest = _split(kw)
-    o, _ = cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
-    q, k, v, rest = _split(to_float64(kw))
-    ref_o, _ = cula_decode(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
-    tol = tolerance(torch.bfloat16, torch.float32)
-    assert_close(o, ref_o, tol)
-    _assert_same_writes(pool, ref_pool, tol)
+    _check_decode(mode, kw, pool, dense.double(), slots, backend, torch.float32)
     assert torch.isnan(pages[:, slot_size:]).all(), "wrote into the padding between slots"
 
 
