@@ -49,14 +49,12 @@ def head_dims_error(K: int, V: int) -> str | None:
 def defers(operation: str, *, mode: str, N: int, T: int, HV: int) -> str | None:
     """Why automatic dispatch should pass this call to the next backend although this one can
     run it: where the Triton kernels measured faster (H200, CUDA-graph replay, 2026-11-24;
-    BENCHMARKS.md). Decode below 2048 heads (B < 64 at 32 heads): equal or slower (GDN B = 8:
-    15.0 against 14.4 us); GDN's verify: slower from B = 8 on (B = 64, T = 4, deferred + commit:
-    166.9 against 153.2 us), because the Triton kernel splits its lanes along V for scalar-gate
-    reductions and this one does not yet."""
+    BENCHMARKS.md). Decode below 2048 heads (B < 64 at 32 heads): a few large CTAs per head are
+    slower than Triton's many small programs there (GDN B = 8: 16.7 against 14.6 us; from B = 64
+    on this kernel is as fast or faster). Verify and commit: faster or within a few percent from
+    B = 1 on (T = 4 deferred verify + commit, GDN B = 64: 135.8 against 152.4 us)."""
     if operation == "decode" and N * HV < 2048:
         return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
-    if operation == "verify" and mode == "gdn" and N > 1:
-        return "GDN verify: the triton kernel is faster"
     return None
 
 

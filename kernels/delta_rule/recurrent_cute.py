@@ -1,7 +1,8 @@
 """Decode, MTP verify (three protocols) and commit in CuTe DSL for SM90: GDN, KDA and Lightning.
 
-The math is that of the Triton kernels, token by token in float32 (``naive.py`` and
-``kernels/lightning/naive.py`` are the oracles). Per value head ``hv`` (qk head ``hv // (HV // H)``):
+The math is that of the Triton kernels in float32, token by token (the deferred verify in the
+equivalent WY form below; ``naive.py`` and ``kernels/lightning/naive.py`` are the oracles). Per
+value head ``hv`` (qk head ``hv // (HV // H)``):
 
     delta rule (GDN: scalar g_t, KDA: per-channel g_t):
         S = Diag(exp(g_t)) S;   u = beta_t * (v_t - S^T k_t);   S = S + k_t u^T;   o_t = scale * S^T q_t
@@ -15,26 +16,42 @@ protocol (constexpr ``OP``; the table of what each op reads and writes is in
 (``saved_u``), which then applies ``S = Diag(exp(g_t)) S + k_t u_t^T`` without reductions.
 
 Thread mapping. The state is K-last (``pool[slot, hv, v, :]`` is column v of S, K contiguous).
-A warp owns R consecutive columns v of one (sequence, value head); its lane l owns channels
-``l * K/32 .. (l + 1) * K/32 - 1`` of each, so one column is one coalesced row of the pool and a
-lane's share is a single vector load (16 bytes for float32 and K = 128). A CTA is WARPS warps on
-consecutive columns; the grid is (N * HV, V / (R * WARPS)). The R x K/32 floats stay in registers
-for all T tokens: every state element is read once and written once per call.
+G lanes share a column, each holding a run of CH = K / G of its channels, for R columns; a warp
+thus owns R * 32 / G consecutive columns of one (sequence, value head), a CTA WARPS warps of them;
+the grid is (N * HV, V / (R * 32 / G * WARPS)). ``launch_shape`` picks (R, G, WARPS) per op and
+pool dtype from sweeps. The R x CH floats stay in registers for all T tokens: every state element
+is read once and written at most once per call (plus the states a buffer / slots verify keeps).
 
-Reductions. Each token reduces every column over K (``S^T k``, ``S^T q``): R sums, each spread
-over the 32 lanes. A butterfly per column costs 5 R shuffles. Instead the R partial sums are
-reduce-scattered (``_scatter_sum``): at each of log2(R) rounds a lane keeps half of its values and
-adds its partner's copy of that half, one shuffle per kept value (R - 1 in all), then 5 - log2(R)
-butterfly rounds finish a single value, the full sum of one column (``_writer_row``). The
-output needs nothing more (that lane writes it); u is needed by every lane, R more shuffles
-(``_all_sum``). For R = 8: 9 and 17 shuffles instead of 40.
+Reductions. A token reduces every column over K (``S^T k``, ``S^T q``): R partial sums per lane,
+each spread over the G lanes of a group. They are reduce-scattered (``_scatter_sum``): at each of
+log2(R) rounds a lane keeps half of its values and adds its partner's copy of that half (R - 1
+shuffles in all), then log2(G / R) butterfly rounds finish one column's sum. The output needs
+nothing more (a lane writes it); u is needed by every lane of the group, R more shuffles
+(``_all_sum``). Fewer lanes per column mean fewer shuffles but longer runs of k and q per lane.
 
-Latency. Decode of a few sequences is a chain of dependent DRAM round trips: the slot index, the
-state, the store. The token inputs (q, k, v, gate, beta) do not depend on the slot, so they are
-loaded first (two tokens ahead) and token 0 is normalised before the branch on the slot; the
-state is staged through shared memory by cp.async, issued as soon as the slot is known. (With a
-plain register load ptxas placed the state load after the gate's arithmetic, i.e. after the
-inputs had arrived: one more round trip, 1 us at B = 1 on an H200.)
+Tokens are prepared once per CTA. The warps load the T tokens' q, k, gate and beta (warp w takes
+tokens w, w + WARPS, ...), normalise them and apply the fused gate, and leave them in shared memory
+as G runs of CH channels, padded against bank conflicts (``_prep_index``); each lane then reads
+its run per token. A scalar decay (GDN, Lightning) is folded: the registers hold S' with
+S = gamma_t S', gamma_t the product of the decays so far, so a token's decay costs no pass over
+the state; once the product falls below FOLD_FLOOR it is applied to S' (and 1 / gamma_t never
+grows large). KDA's per-channel decays are applied to the state token by token.
+
+Deferred verify (WY form). It writes no state, so it never forms one: with Gamma_t the product of
+the decays up to t and D_ts those after s up to t (per channel for KDA, all <= 1),
+    u_t = beta_t (v_t - (Gamma_t k_t) . S0 - sum_{s<t} A_ts u_s),   A_ts = k_t . (D_ts k_s)
+    o_t = (Gamma_t q_t) . S0 + sum_{s<=t} B_ts u_s,                 B_ts = q_t . (D_ts k_s)
+The 2T dot products with S0 are independent of each other (no token waits for the previous
+token's update: the sequential form was latency-bound, 89 us against 65 now at B = 64, T = 4 on
+an H200); A and B are computed once per CTA (``_pair_coefficients``) and the per-column
+triangular recurrence is T^2 scalar steps on the lane that holds the column's sums.
+
+Memory. The state is staged through shared memory by cp.async (coalesced, issued as soon as the
+slot is known, awaited only after the tokens are prepared: a plain register load was scheduled by
+ptxas after the gate's arithmetic, one more DRAM round trip at B = 1). Stores of runs longer than
+16 bytes go back through the same shared memory and out in coalesced 16-byte units
+(``_store_state``). Loads that do not depend on the slot (the tokens' inputs, v or the saved u)
+are issued first, so that their latency overlaps the slot's.
 
 Padding rows (slot < 0) read and write no state and get zero outputs (and zero saved u); a commit
 runs only its accepted tokens (a warp-uniform branch on ``num_accepted_tokens``).
@@ -87,22 +104,23 @@ def _butterfly(x: Float32, first_offset: cutlass.Constexpr[int]) -> Float32:
 
 
 @cute.jit
-def _row_partials(S: cute.Tensor, x: list, R: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int]) -> list:
-    """This lane's part of every column's dot product with the K-vector x: R partial sums."""
+def _row_partials(S: cute.Tensor, x: list, R: cutlass.Constexpr[int], CH: cutlass.Constexpr[int]) -> list:
+    """This lane's part of every column's dot product with the vector x (its CH channels): R
+    partial sums."""
     partial = []
     for r in cutlass.range_constexpr(R):
         acc = Float32(0.0)
-        for c in cutlass.range_constexpr(VEC):
+        for c in cutlass.range_constexpr(CH):
             acc = acc + S[r, c] * x[c]
         partial.append(acc)
     return partial
 
 
 @cute.jit
-def _scatter_sum(values: list, lane: Int32) -> Float32:
-    """Reduce-scatter R = len(values) per-lane partial sums (R a power of two <= 32): returns the
-    sum over all 32 lanes of ``values[row]``, row = ``_writer_row(lane, R)[1]``."""
-    offset = 16
+def _scatter_sum(values: list, lane: Int32, G: cutlass.Constexpr[int]) -> Float32:
+    """Reduce-scatter R = len(values) per-lane partial sums over each group of G lanes (R a power
+    of two <= G): returns the group's sum of ``values[row]``, row = ``_writer_row(lane % G, R, G)[1]``."""
+    offset = G // 2
     while cutlass.const_expr(len(values) > 1):
         half = len(values) // 2
         upper = (lane & offset) != 0
@@ -116,10 +134,10 @@ def _scatter_sum(values: list, lane: Int32) -> Float32:
     return _butterfly(values[0], offset)
 
 
-def _scattered_lane(row: int, R: int) -> int:
-    """The lowest lane that holds column ``row``'s sum after ``_scatter_sum`` of R values: bit
-    s of the lane (from 4 down) is bit log2(R) - 1 - (4 - s) of the row."""
-    lane, offset, half = 0, 16, R // 2
+def _scattered_lane(row: int, R: int, G: int) -> int:
+    """The lowest lane of a group that holds column ``row``'s sum after ``_scatter_sum`` of R
+    values: bit s of the lane (from log2(G) - 1 down) is bit log2(R) - 1 - (log2(G) - 1 - s) of the row."""
+    lane, offset, half = 0, G // 2, R // 2
     while half >= 1:
         if row & half:
             lane |= offset
@@ -129,30 +147,35 @@ def _scattered_lane(row: int, R: int) -> int:
 
 
 @cute.jit
-def _all_sum(values: list, lane: Int32) -> list:
-    """The R column sums of ``_scatter_sum``, every one on every lane (R more shuffles)."""
+def _all_sum(values: list, lane: Int32, G: cutlass.Constexpr[int]) -> list:
+    """The R column sums of ``_scatter_sum``, every one on every lane of the group (R more shuffles)."""
     R = len(values)
-    mine = _scatter_sum(values, lane)
-    return [cute.arch.shuffle_sync(mine, _scattered_lane(r, R)) for r in range(R)]
+    mine = _scatter_sum(values, lane, G)
+    sums = [mine]
+    if cutlass.const_expr(R > 1):
+        first = lane - lane % G
+        sums = [cute.arch.shuffle_sync(mine, first + _scattered_lane(r, R, G)) for r in range(R)]
+    return sums
 
 
 @cute.jit
-def _writer_row(lane: Int32, R: cutlass.Constexpr[int]):
-    """(whether this lane writes a column sum after ``_scatter_sum``, which column)."""
-    spread = 32 // R  # lanes holding each sum
+def _writer_row(part: Int32, R: cutlass.Constexpr[int], G: cutlass.Constexpr[int]):
+    """(whether this lane writes a column sum after ``_scatter_sum``, which of its group's R
+    columns); ``part`` is the lane's index within its group of G."""
+    spread = G // R  # lanes holding each sum
     row = Int32(0)
     half = R // 2
-    offset = 16
+    offset = G // 2
     while cutlass.const_expr(half >= 1):
-        row = row + cutlass.select_((lane & offset) != 0, Int32(half), Int32(0))
+        row = row + cutlass.select_((part & offset) != 0, Int32(half), Int32(0))
         half = half // 2
         offset = offset // 2
-    return lane % spread == 0, row
+    return part % spread == 0, row
 
 
 @cute.jit
 def _pick(values: list, index: Int32) -> Float32:
-    """values[index] for a runtime index (a select chain over the R registers)."""
+    """values[index] for a runtime index (a select chain over the registers)."""
     picked = values[0]
     for r in cutlass.range_constexpr(1, len(values)):
         picked = cutlass.select_(index == r, values[r], picked)
@@ -195,20 +218,15 @@ def _scaled(vals: list, factor, L2NORM: cutlass.Constexpr[bool]) -> list:
 
 
 @cute.jit
-def _token_inputs(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
-                  saved_u: cute.Tensor, i_n: Int32, t: int, i_h: Int32, i_hv: Int32, c0: Int32, v0: Int32,
-                  R: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
+def _token_inputs(q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, i_n: Int32, t: Int32,
+                  i_h: Int32, i_hv: Int32, c0: Int32, VEC: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
                   FAMILY: cutlass.Constexpr[int], SAVED_U: cutlass.Constexpr[bool]):
-    """One token's loads for this lane, in float32: (k [VEC], q [VEC] or [] for a commit,
-    v [R] or the saved u [R], the gate input [VEC] (KDA) / [1] (GDN) / [], beta [1] or [])."""
+    """One token's loads for the lane owning channels c0 .. c0 + VEC - 1, in float32: (k [VEC],
+    q [VEC] or [] for a commit, the gate input [VEC] (KDA) / [1] (GDN) / [], beta [1] or [])."""
     kk = [Float32(k[i_n, t, i_h, c0 + c]) for c in range(VEC)]
     qq = []
     if cutlass.const_expr(OP != OP_COMMIT):
         qq = [Float32(q[i_n, t, i_h, c0 + c]) for c in range(VEC)]
-    if cutlass.const_expr(OP == OP_COMMIT and SAVED_U):
-        vv = [Float32(saved_u[i_n, t, i_hv, v0 + r]) for r in range(R)]
-    else:
-        vv = [Float32(v[i_n, t, i_hv, v0 + r]) for r in range(R)]
     gg = []
     if cutlass.const_expr(FAMILY == KDA):
         gg = [Float32(g[i_n, t, i_hv, c0 + c]) for c in range(VEC)]
@@ -217,17 +235,17 @@ def _token_inputs(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor
     bb = []
     if cutlass.const_expr(FAMILY != LIGHTNING and not (OP == OP_COMMIT and SAVED_U)):
         bb = [Float32(beta[i_n, t, i_hv, 0])]
-    return kk, qq, vv, gg, bb
+    return kk, qq, gg, bb
 
 
 @cute.jit
 def _prepare(inputs: tuple, A: Float32, bias: list, lower_bound: Float32, scale: Float32,
              OP: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int],
              QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool]):
-    """A token's ``_token_inputs`` made ready for the update, with no use of the state: (k [VEC]
-    normalised, the decay factor(s) exp(g) [VEC] (KDA) or [1], beta, q [VEC] normalised and
-    scaled or [] for a commit). Lightning's decay is the head's, exp(d_hv) = A."""
-    k_raw, q_raw, v_raw, g_raw, b_raw = inputs
+    """A token's ``_token_inputs`` made ready for the update: (k [VEC] normalised, the decay
+    factor(s) exp(g) [VEC] (KDA) or [1], beta, q [VEC] normalised and scaled or [] for a commit).
+    Lightning's decay is the head's, exp(d_hv) = A."""
+    k_raw, q_raw, g_raw, b_raw = inputs
     kt = _scaled(k_raw, 1.0, QK_L2NORM)
     decay = [A]
     if cutlass.const_expr(FAMILY != LIGHTNING):
@@ -244,33 +262,156 @@ def _prepare(inputs: tuple, A: Float32, bias: list, lower_bound: Float32, scale:
     return kt, decay, b, qt
 
 
-@cute.jit
-def _state_view(ptr: cute.Pointer, offset: Int64, R: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int],
-                K: cutlass.Constexpr[int], VECTOR: cutlass.Constexpr[bool]) -> cute.Tensor:
-    """A lane's [R, VEC] share of a state at element ``offset``: R columns, VEC channels each."""
-    if cutlass.const_expr(VECTOR):
-        offset = cute.assume(offset, divby=VEC)
-    return cute.make_tensor(ptr + offset, cute.make_layout((R, VEC), stride=(K, 1)))
-
-
-def _copy_units(x: cute.Tensor, per_copy: int) -> cute.Tensor:
-    """An [R, VEC] share as ((per_copy), (VEC / per_copy, R)): a copy atom of ``per_copy``
-    elements takes its vector in the first mode."""
-    R, VEC = x.shape
-    return cute.make_tensor(x.iterator, cute.make_layout(
-        (per_copy, (VEC // per_copy, R)), stride=(1, (per_copy * x.stride[1], x.stride[0]))))
+def _padding(channels: int, per_unit: int) -> int:
+    """Elements appended to each lane's run of ``channels`` in shared memory so that the lanes of
+    a quarter warp, reading 16-byte units (``per_unit`` elements) at the same position of their
+    runs, hit distinct banks: the run's length in units is made odd."""
+    if channels < per_unit or (channels // per_unit) % 2:
+        return 0
+    return per_unit
 
 
 @cute.jit
-def _store_state(state: cute.Tensor, dst: cute.Tensor):
-    """The float32 register share ``state`` into ``dst`` (a ``_state_view``), in dst's dtype."""
-    staged = cute.make_rmem_tensor(state.layout, dst.element_type)
-    staged.store(state.load().to(dst.element_type))
-    cute.autovec_copy(staged, dst)
+def _view(ptr: cute.Pointer, offset, rows: cutlass.Constexpr[int], row_stride, n: cutlass.Constexpr[int],
+          align: cutlass.Constexpr[int]) -> cute.Tensor:
+    """[rows, n] elements at ``offset`` (a multiple of ``align``), rows ``row_stride`` apart."""
+    if cutlass.const_expr(align > 1):
+        offset = cute.assume(offset, divby=align)
+    return cute.make_tensor(ptr + offset, cute.make_layout((rows, n), stride=(row_stride, 1)))
+
+
+@cute.jit
+def _unit(ptr: cute.Pointer, offset, n: cutlass.Constexpr[int]) -> cute.Tensor:
+    """One copy unit of n elements at ``offset`` (a multiple of n), as a copy atom takes it."""
+    if cutlass.const_expr(n > 1):
+        offset = cute.assume(offset, divby=n)
+    return cute.make_tensor(ptr + offset, cute.make_layout((n, 1), stride=(1, n)))
+
+
+@cute.jit
+def _registers(src: cute.Tensor) -> cute.Tensor:
+    """A [rows, n] view copied (vectorised) into float32 registers."""
+    loaded = cute.make_rmem_tensor(cute.make_layout(src.shape, stride=(src.shape[1], 1)), src.element_type)
+    cute.autovec_copy(src, loaded)
+    values = cute.make_rmem_tensor(loaded.layout, Float32)
+    values.store(loaded.load().to(Float32))
+    return values
+
+
+@cute.jit
+def _state_unit(e: Int32, K: cutlass.Constexpr[int], CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int]):
+    """Where element e of a warp's block of columns (K contiguous elements each) sits in its
+    shared-memory copy: each column as G runs of CH channels, each run followed by PAD elements."""
+    within = e % K
+    return (e // K) * ((K // CH) * (CH + PAD)) + (within // CH) * (CH + PAD) + within % CH
+
+
+@cute.jit
+def _store_state(S: cute.Tensor, factor: Float32, share: cute.Tensor, block: cute.Tensor, dst: cute.Pointer,
+                 dst_offset: Int64, lane: Int32, K: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                 PAD: cutlass.Constexpr[int], PER_COPY: cutlass.Constexpr[int]):
+    """factor * S (this lane's float32 register share) into the warp's block of columns at
+    ``dst + dst_offset``, in the destination dtype.
+
+    A lane's share of a column is a run of CH contiguous elements. Runs of 16 bytes or less are
+    stored straight from registers: one store instruction of the warp then covers whole columns.
+    Longer runs go through the lane's ``share`` of the warp's shared-memory ``block`` and are
+    written out in units of PER_COPY elements in order across the lanes: stored from registers,
+    one instruction would touch 32 lines at a few bytes each (decode ran at half the bandwidth)."""
+    converted = cute.make_rmem_tensor(S.layout, share.element_type)
+    converted.store((S.load() * factor).to(share.element_type))
+    R = cute.size(S) // CH
+    if cutlass.const_expr(CH * share.element_type.width <= 128):
+        G = K // CH
+        first = (lane // G) * R * K + (lane % G) * CH
+        cute.autovec_copy(converted, _view(dst, dst_offset + first, R, K, CH, min(CH, PER_COPY)))
+    else:
+        cute.autovec_copy(converted, share)
+        cute.arch.sync_warp()
+        units = R * CH * 32 // PER_COPY
+        for i in cutlass.range_constexpr((units + 31) // 32):
+            unit = lane + 32 * i
+            if unit < units:
+                e = unit * PER_COPY
+                cute.autovec_copy(_unit(block.iterator, _state_unit(e, K, CH, PAD), PER_COPY),
+                                  _unit(dst, dst_offset + e, PER_COPY))
+        cute.arch.sync_warp()  # the block is free again
+
+
+@cute.jit
+def _prep_index(t, vector, channel, VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
+                CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int]):
+    """Where ``channel`` of prepared vector ``vector`` of token t sits in shared memory: per token
+    VECTORS vectors, each G runs of CH channels (the state lanes' shares), each run followed by
+    PAD elements (against bank conflicts)."""
+    return (t * VECTORS + vector) * (G * (CH + PAD)) + (channel // CH) * (CH + PAD) + channel % CH
+
+
+@cute.jit
+def _prepared_run(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], part: Int32,
+                  VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                  PAD: cutlass.Constexpr[int]) -> list:
+    """A state lane's CH channels (its ``part`` of G) of prepared vector ``vector`` of token t,
+    in registers."""
+    run = _registers(_view(prepared.iterator, _prep_index(t, vector, part * CH, VECTORS, G, CH, PAD), 1, 0, CH, 4))
+    return [run[0, c] for c in range(CH)]
+
+
+@cute.jit
+def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars: cute.Tensor, warp: Int32,
+                       lane: Int32, A: Float32, T: cutlass.Constexpr[int], WARPS: cutlass.Constexpr[int],
+                       VEC: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int],
+                       G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int]):
+    """The deferred verify's token couplings, once per CTA (warp t % WARPS takes token t), from the
+    prepared k, q and decays: with D_ts = prod_{s < i <= t} exp(g_i) (per channel for KDA, <= 1)
+        A_ts = sum_c k_t D_ts k_s  (s < t),   B_ts = sum_c q_t D_ts k_s  (s <= t)
+    into ``coefficients`` [2, T, T], and the decayed Gamma_t k_t, Gamma_t q_t (Gamma_t = D_t,-1)
+    into their prepared vectors (the last two). Products of decays, never exp(-G): nothing can
+    overflow."""
+    K_VECTOR, Q_VECTOR, DECAY_VECTOR, KD_VECTOR, QD_VECTOR = 0, 1, 2, VECTORS - 2, VECTORS - 1
+
+    for t in cutlass.range_constexpr(T):
+        if warp == t % WARPS:
+            channels = [lane * VEC + c for c in range(VEC)]
+            kt = [prepared[_prep_index(t, K_VECTOR, ch, VECTORS, G, CH, PAD)] for ch in channels]
+            qt = [prepared[_prep_index(t, Q_VECTOR, ch, VECTORS, G, CH, PAD)] for ch in channels]
+            decay = [Float32(1.0) for _ in range(VEC)]
+            for s in cutlass.range_constexpr(t, -1, -1):
+                if cutlass.const_expr(s < t):
+                    if cutlass.const_expr(FAMILY == KDA):
+                        decay = [decay[c] * prepared[_prep_index(s + 1, DECAY_VECTOR, channels[c], VECTORS, G, CH, PAD)] for c in range(VEC)]
+                    else:
+                        gamma = A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[2 * (s + 1) + 1]
+                        decay = [d * gamma for d in decay]
+                ks = [prepared[_prep_index(s, K_VECTOR, ch, VECTORS, G, CH, PAD)] for ch in channels]
+                decayed = [decay[c] * ks[c] for c in range(VEC)]
+                if cutlass.const_expr(s < t and FAMILY != LIGHTNING):
+                    a_ts = Float32(0.0)
+                    for c in cutlass.range_constexpr(VEC):
+                        a_ts = a_ts + kt[c] * decayed[c]
+                    a_ts = _butterfly(a_ts, 16)
+                    if lane == 0:
+                        coefficients[0, t, s] = a_ts
+                b_ts = Float32(0.0)
+                for c in cutlass.range_constexpr(VEC):
+                    b_ts = b_ts + qt[c] * decayed[c]
+                b_ts = _butterfly(b_ts, 16)
+                if lane == 0:
+                    coefficients[1, t, s] = b_ts
+            if cutlass.const_expr(FAMILY == KDA):
+                decay = [decay[c] * prepared[_prep_index(0, DECAY_VECTOR, channels[c], VECTORS, G, CH, PAD)] for c in range(VEC)]
+            else:
+                gamma0 = A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[1]
+                decay = [d * gamma0 for d in decay]
+            for c in cutlass.range_constexpr(VEC):
+                prepared[_prep_index(t, KD_VECTOR, channels[c], VECTORS, G, CH, PAD)] = decay[c] * kt[c]
+                prepared[_prep_index(t, QD_VECTOR, channels[c], VECTORS, G, CH, PAD)] = decay[c] * qt[c]
 
 
 # ------------------------------------------------------------------------------------------------
 # the kernel
+
+FOLD_FLOOR = 2.0 ** -60  # a folded scalar decay below this is applied to the state (1 / it stays far from overflow)
 
 
 @cute.kernel
@@ -281,29 +422,39 @@ def _recurrent_kernel(
     state_indices: cute.Tensor, num_accepted: cute.Tensor, buffer_rows: cute.Tensor,
     scale: Float32, lower_bound: Float32,
     T: cutlass.Constexpr[int], H: cutlass.Constexpr[int], HV: cutlass.Constexpr[int], K: cutlass.Constexpr[int],
-    V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
+    V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], G: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
     FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
     QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool], SAVED_U: cutlass.Constexpr[bool],
     VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
 ):
-    VEC = K // 32
+    VEC = K // 32  # a lane's channels while preparing the tokens (32 lanes over K)
+    CH = K // G  # a lane's channels of the state (G lanes over K)
+    COLS = R * (32 // G)  # state columns per warp
     DELTA = FAMILY != LIGHTNING
+    FOLD = FAMILY != KDA  # a scalar decay: folded into per-token factors instead of scaling the state
+    WITH_Q = OP != OP_COMMIT
+    KNOWN_U = not DELTA or (OP == OP_COMMIT and SAVED_U)  # u needs no reduction: v (Lightning) or saved
     lane = cute.arch.thread_idx()[0] % 32
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     i_nh, i_vt, _ = cute.arch.block_idx()
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    v0 = (i_vt * WARPS + warp) * R  # first of this warp's R columns
-    c0 = lane * VEC  # first of this lane's channels
-    writes, writer_row = _writer_row(lane, R)
+    group = lane // G
+    part = lane % G
+    v0 = (i_vt * WARPS + warp) * COLS  # first of this warp's columns
+    col0 = v0 + group * R  # first of this lane's R columns
+    writes, writer_row = _writer_row(part, R, G)
 
-    # Every token's inputs are independent of the state: their loads are issued first (up to
-    # PREFETCH tokens ahead), so that their latency overlaps the slot and state loads instead of
-    # following them (decode at B = 1 is one chain of dependent DRAM round trips).
-    PREFETCH = 2
-    ahead = [_token_inputs(q, k, v, g, beta, saved_u, i_n, t, i_h, i_hv, c0, v0, R, VEC, OP, FAMILY, SAVED_U)
-             for t in range(min(T, PREFETCH))]
+    # Every load that does not depend on the slot goes out first, so that its latency overlaps the
+    # slot's and the state's instead of following them (decode at B = 1 is one chain of dependent
+    # DRAM round trips): the tokens this warp prepares (t = warp, warp + WARPS, ...), and the
+    # values of this lane's columns (v, or the saved u of a commit).
+    TOKENS_PER_WARP = (T + WARPS - 1) // WARPS
+    raw = [_token_inputs(q, k, g, beta, i_n, cutlass.min(warp + j * WARPS, Int32(T - 1)), i_h, i_hv, lane * VEC,
+                         VEC, OP, FAMILY, SAVED_U) for j in range(TOKENS_PER_WARP)]
+    values_src = saved_u if cutlass.const_expr(OP == OP_COMMIT and SAVED_U) else v
+    values = [[Float32(values_src[i_n, t, i_hv, col0 + r]) for r in range(R)] for t in range(T)]
     A = Float32(0.0)
     if cutlass.const_expr(FAMILY == LIGHTNING):
         A = cute.exp(Float32(g[0, 0, i_hv, 0]), fastmath=True)  # g is the decay [HV], viewed as [1, 1, HV, 1]
@@ -312,7 +463,7 @@ def _recurrent_kernel(
     bias = [Float32(0.0) for _ in range(VEC)]
     if cutlass.const_expr(HAS_DT_BIAS):
         if cutlass.const_expr(FAMILY == KDA):
-            bias = [Float32(dt_bias[i_hv, c0 + c]) for c in range(VEC)]
+            bias = [Float32(dt_bias[i_hv, lane * VEC + c]) for c in range(VEC)]
         else:
             bias = [Float32(dt_bias[i_hv, 0]) for _ in range(VEC)]
     if cutlass.const_expr(OP == OP_SLOTS):
@@ -324,86 +475,172 @@ def _recurrent_kernel(
     count = Int32(T)
     if cutlass.const_expr(OP == OP_COMMIT):
         count = num_accepted[i_n]
-    head_offset = Int64((i_hv * V + v0) * K + c0)
-    # Token 0 is prepared (norms, gate) before the branch on the slot: its loads are then issued
-    # with the slot's, not sunk into the branch behind the state load.
-    token0 = _prepare(ahead[0], A, bias, lower_bound, scale, OP, FAMILY, GATE, QK_L2NORM, BETA_LOGITS)
 
+    # shared memory: the warps' state blocks, then the prepared tokens
+    state_type = cute.make_tensor(pool, cute.make_layout(1)).element_type
+    UNIT = 128 // state_type.width  # elements per 16 bytes
+    PAD = _padding(CH, UNIT)
+    COL_STRIDE = G * (CH + PAD)
+    smem = SmemAllocator()
+    staged = smem.allocate_tensor(state_type, cute.make_layout(WARPS * COLS * COL_STRIDE), 16)
+    PREP_PAD = _padding(CH, 4)
+    # per token: k, q, the per-channel decay (KDA), and for a deferred verify Gamma_t k, Gamma_t q
+    DEFERRED = OP == OP_DEFERRED
+    VECTORS = 1 + int(WITH_Q) + int(FAMILY == KDA) + 2 * int(DEFERRED)
+    Q_VECTOR, DECAY_VECTOR, KD_VECTOR, QD_VECTOR = 1, 1 + int(WITH_Q), VECTORS - 2, VECTORS - 1
+    prepared = smem.allocate_tensor(Float32, cute.make_layout(T * VECTORS * G * (CH + PREP_PAD)), 16)
+    scalars = smem.allocate_tensor(Float32, cute.make_layout(2 * T), 16)  # beta, scalar decay per token
+    coefficients = smem.allocate_tensor(Float32, cute.make_layout((2, T, T), stride=(T * T, T, 1)), 16)
+
+    head_offset = Int64((i_hv * V + v0) * K)  # this warp's block of COLS columns, contiguous
+    warp_block = cute.make_tensor(staged.iterator + cute.assume(warp * (COLS * COL_STRIDE), divby=UNIT),
+                                  cute.make_layout(COLS * COL_STRIDE))
+    share = _view(warp_block.iterator, group * R * COL_STRIDE + part * (CH + PAD), R, COL_STRIDE, CH, min(CH, UNIT))
+    per_copy = UNIT if VECTOR_POOL else 1
     if slot >= 0:
-        # The state goes through shared memory by cp.async: issued as soon as the slot is known
-        # and awaited only when the first token needs it. A plain load into registers was
-        # scheduled by ptxas after the gate's arithmetic, which waits for the token's inputs:
-        # two DRAM round trips in a row instead of one.
-        src = _state_view(pool, slot * stride_pool + head_offset, R, VEC, K, VECTOR_POOL)
-        staged = SmemAllocator().allocate_tensor(
-            src.element_type, cute.make_layout((WARPS, 32, R, VEC), stride=(R * 32 * VEC, VEC, 32 * VEC, 1)), 16)
-        mine = staged[warp, lane, None, None]
-        per_copy = VEC if VECTOR_POOL else 1
-        bits = src.element_type.width * per_copy
-        # 16-byte copies may skip L1 (.cg): the state is streamed, never reread
-        cache = cpasync.LoadCacheMode.GLOBAL if bits == 128 else cpasync.LoadCacheMode.ALWAYS
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cache), src.element_type, num_bits_per_copy=bits)
-        cute.copy(atom, _copy_units(src, per_copy), _copy_units(mine, per_copy))
+        # The warp's block of the state goes to shared memory, coalesced (units in order across
+        # the lanes), as soon as the slot is known: by cp.async in 16-byte units when the pool's
+        # slots are 16-byte aligned, else element-wise through registers. A lane's share is read
+        # back after the tokens are prepared.
+        units = COLS * K // per_copy
+        block = slot * stride_pool + head_offset
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), state_type,
+                                   num_bits_per_copy=128)
+        for i in cutlass.range_constexpr((units + 31) // 32):
+            unit = lane + 32 * i
+            if unit < units:
+                e = unit * per_copy
+                dst = _state_unit(e, K, CH, PAD)
+                if cutlass.const_expr(VECTOR_POOL):
+                    # .cg: the state is streamed, never reread
+                    cute.copy(atom, _unit(pool, block + e, per_copy), _unit(warp_block.iterator, dst, per_copy))
+                else:
+                    warp_block[dst] = cute.make_tensor(pool + (block + e), cute.make_layout(1))[0]
         cute.arch.cp_async_commit_group()
 
+        # Prepare the tokens once per CTA (norms, gates, beta) into shared memory, each vector laid
+        # out as G runs of CH channels (the lanes' shares), padded against bank conflicts.
+        for j in cutlass.range_constexpr(TOKENS_PER_WARP):
+            t = warp + j * WARPS
+            kt, decay, b, qt = _prepare(raw[j], A, bias, lower_bound, scale, OP, FAMILY, GATE, QK_L2NORM, BETA_LOGITS)
+            if t < T:
+                for c in cutlass.range_constexpr(VEC):
+                    channel = lane * VEC + c
+                    prepared[_prep_index(t, 0, channel, VECTORS, G, CH, PREP_PAD)] = kt[c]
+                    if cutlass.const_expr(WITH_Q):
+                        prepared[_prep_index(t, Q_VECTOR, channel, VECTORS, G, CH, PREP_PAD)] = qt[c]
+                    if cutlass.const_expr(FAMILY == KDA):
+                        prepared[_prep_index(t, DECAY_VECTOR, channel, VECTORS, G, CH, PREP_PAD)] = decay[c]
+                if lane == 0:
+                    scalars[2 * t] = b
+                    scalars[2 * t + 1] = decay[0]
+
+        if cutlass.const_expr(DEFERRED):
+            cute.arch.barrier()
+            _pair_coefficients(prepared, coefficients, scalars, warp, lane, A, T, WARPS, VEC, FAMILY, VECTORS, G, CH,
+                               PREP_PAD)
         buffer_row = Int64(0)
         if cutlass.const_expr(OP == OP_BUFFER):
             buffer_row = Int64(buffer_rows[i_n])
-
         cute.arch.cp_async_wait_group(0)
-        loaded = cute.make_rmem_tensor(src.layout, src.element_type)
-        cute.autovec_copy(mine, loaded)
-        S = cute.make_rmem_tensor(loaded.layout, Float32)
-        S.store(loaded.load().to(Float32))
-        queue = list(ahead)
-        for t in cutlass.range_constexpr(T):
-            v_raw = queue[t][2]
-            if cutlass.const_expr(t + PREFETCH < T):
-                queue.append(_token_inputs(q, k, v, g, beta, saved_u, i_n, t + PREFETCH, i_h, i_hv, c0, v0, R, VEC,
-                                           OP, FAMILY, SAVED_U))
-            if t < count:
-                kt, decay, b, qt = token0
-                if cutlass.const_expr(t > 0):
-                    kt, decay, b, qt = _prepare(queue[t], A, bias, lower_bound, scale, OP, FAMILY, GATE, QK_L2NORM,
-                                                BETA_LOGITS)
-                for r in cutlass.range_constexpr(R):
-                    for c in cutlass.range_constexpr(VEC):
-                        S[r, c] = S[r, c] * decay[c % len(decay)]
-                # u: what the token writes into each column (v itself for Lightning, the saved u
-                # for a commit that has it)
-                u = v_raw
-                if cutlass.const_expr(DELTA and not (OP == OP_COMMIT and SAVED_U)):
-                    predicted = _all_sum(_row_partials(S, kt, R, VEC), lane)
-                    u = [b * (v_raw[r] - predicted[r]) for r in range(R)]
-                    if cutlass.const_expr(OP == OP_DEFERRED and SAVED_U):
-                        if lane < R:
-                            saved_u[i_n, t, i_hv, v0 + lane] = _pick(u, lane)
-                for r in cutlass.range_constexpr(R):
-                    for c in cutlass.range_constexpr(VEC):
-                        S[r, c] = S[r, c] + u[r] * kt[c]
-                # output
-                if cutlass.const_expr(OP != OP_COMMIT):
-                    total = _scatter_sum(_row_partials(S, qt, R, VEC), lane)
-                    if writes:
-                        o[i_n, t, i_hv, v0 + writer_row] = total.to(o.element_type)
-                # states the protocol keeps per token
-                if cutlass.const_expr(OP == OP_BUFFER):
-                    _store_state(S, _state_view(buffer, buffer_row * stride_buf_r + t * stride_buf_t + head_offset,
-                                                R, VEC, K, VECTOR_POOL))
-                if cutlass.const_expr(OP == OP_SLOTS):
-                    token_slot = Int64(state_indices[i_n, t])
-                    if token_slot >= 0:
-                        _store_state(S, _state_view(pool, token_slot * stride_pool + head_offset, R, VEC, K,
-                                                    VECTOR_POOL))
+        cute.arch.barrier()
+        S = _registers(share)
+
+        if cutlass.const_expr(DEFERRED):
+            # No state is written: every output follows from 2T dot products with S0 and the
+            # token couplings (``_pair_coefficients``), in the WY form of the recurrence:
+            #   u_t = beta_t (v_t - Gamma_t k_t . S0 - sum_{s<t} A_ts u_s)
+            #   o_t = Gamma_t q_t . S0 + sum_{s<=t} B_ts u_s
+            # The dot products are independent (no token waits for the previous one's update).
+            k_dots = []
+            q_dots = []
+            for t in cutlass.range_constexpr(T):
+                if cutlass.const_expr(DELTA):
+                    key = _prepared_run(prepared, t, KD_VECTOR, part, VECTORS, G, CH, PREP_PAD)
+                    k_dots.append(_scatter_sum(_row_partials(S, key, R, CH), lane, G))
+                query = _prepared_run(prepared, t, QD_VECTOR, part, VECTORS, G, CH, PREP_PAD)
+                q_dots.append(_scatter_sum(_row_partials(S, query, R, CH), lane, G))
+            us = []
+            for t in cutlass.range_constexpr(T):
+                u_t = _pick(values[t], writer_row)
+                if cutlass.const_expr(DELTA):
+                    residual = u_t - k_dots[t]
+                    for s_ in cutlass.range_constexpr(t):
+                        residual = residual - coefficients[0, t, s_] * us[s_]
+                    u_t = scalars[2 * t] * residual
+                us.append(u_t)
+                o_t = q_dots[t]
+                for s_ in cutlass.range_constexpr(t + 1):
+                    o_t = o_t + coefficients[1, t, s_] * us[s_]
+                if writes:
+                    o[i_n, t, i_hv, col0 + writer_row] = o_t.to(o.element_type)
+                    if cutlass.const_expr(SAVED_U):
+                        saved_u[i_n, t, i_hv, col0 + writer_row] = u_t
+        else:
+            # A scalar decay is folded: the registers hold S' with S = gamma_t S', gamma_t the product
+            # of the decays so far, so a token costs no pass over the state for its decay. When the
+            # product falls below FOLD_FLOOR it is applied (S' = S, gamma = 1) before 1 / gamma_t grows large.
+            gamma = [Float32(1.0) for _ in range(T)]
+            applied = [Float32(1.0) for _ in range(T)]
+            if cutlass.const_expr(FOLD):
+                running = Float32(1.0)
+                for t in cutlass.range_constexpr(T):
+                    decay_t = A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[2 * t + 1]
+                    candidate = running * decay_t
+                    small = candidate < FOLD_FLOOR
+                    applied[t] = cutlass.select_(small, candidate, Float32(1.0))
+                    running = cutlass.select_(small, Float32(1.0), candidate)
+                    gamma[t] = running
+
+            for t in cutlass.range_constexpr(T):
+                if t < count:
+                    key = _prepared_run(prepared, t, 0, part, VECTORS, G, CH, PREP_PAD)
+                    if cutlass.const_expr(FOLD):
+                        if applied[t] < 1.0:
+                            for r in cutlass.range_constexpr(R):
+                                for c in cutlass.range_constexpr(CH):
+                                    S[r, c] = S[r, c] * applied[t]
+                    else:
+                        channel_decay = _prepared_run(prepared, t, DECAY_VECTOR, part, VECTORS, G, CH, PREP_PAD)
+                        for r in cutlass.range_constexpr(R):
+                            for c in cutlass.range_constexpr(CH):
+                                S[r, c] = S[r, c] * channel_decay[c]
+                    # u: what the token writes into each column (v itself for Lightning, the saved u
+                    # for a commit that has it)
+                    u = values[t]
+                    if cutlass.const_expr(not KNOWN_U):
+                        predicted = _all_sum(_row_partials(S, key, R, CH), lane, G)
+                        beta_t = scalars[2 * t]
+                        u = [beta_t * (values[t][r] - gamma[t] * predicted[r]) for r in range(R)]
+                    unfolded = Float32(1.0) / gamma[t] if cutlass.const_expr(FOLD) else Float32(1.0)
+                    for r in cutlass.range_constexpr(R):
+                        ur = u[r] * unfolded if cutlass.const_expr(FOLD) else u[r]
+                        for c in cutlass.range_constexpr(CH):
+                            S[r, c] = S[r, c] + ur * key[c]
+                    # output
+                    if cutlass.const_expr(WITH_Q):
+                        query = _prepared_run(prepared, t, Q_VECTOR, part, VECTORS, G, CH, PREP_PAD)
+                        total = _scatter_sum(_row_partials(S, query, R, CH), lane, G)
+                        if writes:
+                            o[i_n, t, i_hv, col0 + writer_row] = (gamma[t] * total).to(o.element_type)
+                    # states the protocol keeps per token
+                    if cutlass.const_expr(OP == OP_BUFFER):
+                        _store_state(S, gamma[t], share, warp_block, buffer,
+                                     buffer_row * stride_buf_r + t * stride_buf_t + head_offset, lane, K, CH, PAD, per_copy)
+                    if cutlass.const_expr(OP == OP_SLOTS):
+                        token_slot = Int64(state_indices[i_n, t])
+                        if token_slot >= 0:
+                            _store_state(S, gamma[t], share, warp_block, pool, token_slot * stride_pool + head_offset,
+                                         lane, K, CH, PAD, per_copy)
 
         if cutlass.const_expr(OP == OP_DECODE or OP == OP_COMMIT):
             if count > 0:
-                _store_state(S, src)
+                _store_state(S, _pick(gamma, count - 1), share, warp_block, pool, block, lane, K, CH, PAD, per_copy)
     else:
         # padding: zero outputs (and zero saved u), no state traffic
-        if lane < R:
+        if lane < COLS:
             for t in cutlass.range_constexpr(T):
-                if cutlass.const_expr(OP != OP_COMMIT):
+                if cutlass.const_expr(WITH_Q):
                     o[i_n, t, i_hv, v0 + lane] = Float32(0.0).to(o.element_type)
                 if cutlass.const_expr(OP == OP_DEFERRED and SAVED_U):
                     saved_u[i_n, t, i_hv, v0 + lane] = Float32(0.0)
@@ -422,7 +659,7 @@ def _launch(
     stride_pool: Int64, stride_buf_r: Int64, stride_buf_t: Int64, scale: Float32, lower_bound: Float32,
     stream: cuda.CUstream,
     T: cutlass.Constexpr[int], H: cutlass.Constexpr[int], HV: cutlass.Constexpr[int], K: cutlass.Constexpr[int],
-    V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
+    V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], G: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
     FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
     QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool], SAVED_U: cutlass.Constexpr[bool],
     VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
@@ -445,11 +682,12 @@ def _launch(
     state_indices = cute.make_tensor(indices_ptr, cute.make_layout((N, num_columns), stride=(si_n, si_t)))
     num_accepted = cute.make_tensor(accepted_ptr, cute.make_layout((N,)))
     buffer_rows = cute.make_tensor(rows_ptr, cute.make_layout((N,)))
+    columns_per_cta = R * (32 // G) * WARPS
     _recurrent_kernel(
         q, k, v, g, beta, o, saved_u, A_log, dt_bias, pool_ptr, stride_pool, buffer_ptr, stride_buf_r, stride_buf_t,
         state_indices, num_accepted, buffer_rows, scale, lower_bound,
-        T, H, HV, K, V, R, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS,
-    ).launch(grid=(N * HV, V // (R * WARPS), 1), block=(32 * WARPS, 1, 1), stream=stream)
+        T, H, HV, K, V, R, G, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS,
+    ).launch(grid=(N * HV, V // columns_per_cta, 1), block=(32 * WARPS, 1, 1), stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,29 +714,42 @@ def _compiled(dtypes: tuple, constexprs: tuple):
     return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **config)
 
 
-def launch_shape(N: int, HV: int, V: int, T: int, state_dtype: torch.dtype) -> tuple[int, int]:
-    """(R, WARPS): the state columns a warp owns and the warps of a CTA (R * WARPS <= V).
+def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(R, G, WARPS): a lane's state columns, the lanes sharing a column (each holds K / G of its
+    channels) and the warps of a CTA (R * 32 / G * WARPS columns per CTA, at most V).
 
-    Measured on an H200 (GDN 16/32 heads, CUDA-graph replay, L2 flushed), decode:
-    float32 pool at B = 256: R16 W8 3.94 TB/s against R8 W4 3.71 (B = 64: 3.64 against 3.48);
-    bfloat16 pool: R16 W4 best at B = 256 (3.51), R8 W2 at B = 64 (3.18; R16 W8 2.72); a few
-    sequences: R2 W4 (B = 1: 7.1 us against 7.5 with R1). A verify (T > 1) keeps R8 W4 for its
-    registers (R x K / 32 floats of state per lane for all T tokens)."""
-    heads = N * HV
-    if T > 1:
-        rows, warps = (8, 4) if heads * V // 8 >= 16384 else (2, 4)
-    elif heads < 2048:
-        rows, warps = 2, 4
-    elif state_dtype == torch.float32:
-        rows, warps = 16, 8
+    Measured on an H200 (CUDA-graph replay, L2 flushed, K = V = 128, B = 64, T = 4, 2026-11-24;
+    times in us for GDN / KDA / Lightning):
+    - decode, float32 pool: R16 G32 W8 75.4 / 76.4 / 139.1 (R8 G32 W4 77.8 / 79.7 / 146.3, R2 G4
+      W4 81.1); bfloat16: R8 G16 W4 42.3 / 43.7 / 77.5 (R16 G32 W8 46.9).
+    - deferred verify (WY form): R4 G8 W4 65.1 / 68.3 / 99.1 float32 (R16 G32 W8 89.9 / 92.0 /
+      147.3), 54.0 / 60.0 / 73.6 bfloat16. Two lanes per column (G = 32) pay for reductions,
+      few lanes (G = 4) for rereading k and q from shared memory.
+    - commit, buffer and slots verify: float32 R8 G32 W4 (commit 80.3 / 84.3 / 150.6; buffer
+      ~194-200 with every shape); bfloat16 R8 G16 W4 (commit 43.7 / 47.6 / 80.9).
+    - a few sequences (fewer than 2048 heads): many small CTAs; decode at B = 1 took 7.1 us with
+      R2 G32 W4 against 7.5 with R1 (the first version of this kernel).
+    """
+    if N * HV < 2048:
+        rows, lanes, warps = (1, 4, 4) if op == "deferred" else (2, 32, 4)
+    elif op == "deferred":
+        rows, lanes, warps = 4, 8, 4
+    elif state_dtype != torch.float32:
+        rows, lanes, warps = 8, 16, 4
+    elif op == "decode":
+        rows, lanes, warps = 16, 32, 8
     else:
-        rows, warps = (16, 4) if heads >= 8192 else (8, 2)
-    while rows * warps > V:
-        if rows > 1:
+        rows, lanes, warps = 8, 32, 4
+    lanes = min(max(lanes, K // 64), K // 4)  # 4 to 64 channels of a column per lane
+    while rows * (32 // lanes) * warps > V:
+        if warps > 1:
+            warps //= 2
+        elif rows > 1:
             rows //= 2
         else:
-            warps //= 2
-    return rows, warps
+            lanes *= 2
+    rows = min(rows, lanes)  # a reduce-scatter of R sums needs R <= G lanes
+    return rows, lanes, warps
 
 
 def _vector_pool(*states: torch.Tensor | None) -> bool:
@@ -513,12 +764,12 @@ def _vector_pool(*states: torch.Tensor | None) -> bool:
 
 
 def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=None, num_accepted_tokens=None,
-              intermediate_states=None, intermediate_indices=None, saved_u=None, rows=None, warps=None):
+              intermediate_states=None, intermediate_indices=None, saved_u=None, shape=None):
     """Run the recipe's recurrence over T tokens of N sequences against the state pool.
 
     Arguments as for ``recurrent_triton.delta_rule_recurrent`` (Lightning: g is the decay [HV] and
-    beta None); ``rows`` and ``warps`` override ``launch_shape`` (benchmark sweeps). K must be
-    32, 64, 128 or 256 and V a power of two from 16 (``launch_shape`` keeps R * WARPS <= V).
+    beta None); ``shape`` (R, G, WARPS) overrides ``launch_shape`` (benchmark sweeps). K must be
+    32, 64, 128 or 256 and V a power of two from 16.
     """
     N, T, HV, V = v.shape
     H, K = k.shape[-2:]
@@ -539,8 +790,7 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     A_log = None if gate is None else gate.A_log.contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     buffer = intermediate_states if op == "buffer" else None
-    default_rows, default_warps = launch_shape(N, HV, V, T, state_pool.dtype)
-    rows, warps = rows or default_rows, warps or default_warps
+    rows, lanes, warps = shape or launch_shape(op, N, HV, K, V, T, state_pool.dtype)
     indices = state_indices if state_indices.dim() == 2 else state_indices[:, None]
 
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta, o=target, saved_u=saved_u, A_log=A_log, dt_bias=dt_bias,
@@ -548,7 +798,8 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                    buffer_rows=intermediate_indices if op == "buffer" else None)
     # an absent tensor is never read: a null pointer of a fixed dtype keeps the compile key small
     dtypes = tuple(torch.float32 if tensors[name] is None else tensors[name].dtype for name in _POINTERS)
-    constexprs = (("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("R", rows), ("OP", OPS.index(op)),
+    constexprs = (("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("R", rows), ("G", lanes),
+                  ("OP", OPS.index(op)),
                   ("FAMILY", family),
                   ("GATE", GATE_NONE if gate is None else GATE_SAFE if gate.lower_bound is not None else GATE_SOFTPLUS),
                   ("HAS_DT_BIAS", dt_bias is not None), ("QK_L2NORM", recipe.qk_l2norm),

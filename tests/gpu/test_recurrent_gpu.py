@@ -70,7 +70,7 @@ def _split(kw):
     return kw["q"], kw["k"], kw["v"], {key: val for key, val in kw.items() if key not in ("q", "k", "v")}
 
 
-def _protocol_layout(protocol, B, generator):
+def _protocol_layout(protocol, B, T, generator):
     """(P, verify arguments, accepted) for B rows verifying T tokens: permuted slots with padding,
     the accepted counts cycling through every length (0..T; slots 1..T). For "slots" the previous
     step's accepted count varies per row and selects the read column."""
@@ -128,21 +128,18 @@ def test_decode_model_shapes(mode, B, state_dtype, backend):
     assert (o[slots < 0] == 0).all()
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("protocol", ["buffer", "slots", "deferred"])
-@pytest.mark.parametrize("B", BATCHES)
-def test_verify_and_commit_model_shapes(mode, protocol, B, backend):
-    """bf16 inputs, fp32 pool; the verify outputs, what the verify writes, and the pool after a
-    commit whose accepted counts cover every length."""
-    cpu_gen, gpu_gen = _generators(100 + B)
+def _check_verify_and_commit(mode, protocol, kw, backend, cpu_gen, gpu_gen):
+    """Verify of ``kw`` ([B, T] tokens, bf16) on a float32 pool by ``backend`` against the float64
+    oracle: the outputs, what the verify writes, and the pool after a commit whose accepted counts
+    cover every length."""
+    B, T = kw["v"].shape[:2]
     shape = SHAPES[mode]
-    P, call, accepted = _protocol_layout(protocol, B, cpu_gen)
+    P, call, accepted = _protocol_layout(protocol, B, T, cpu_gen)
     pool = _pool(P, shape, torch.float32, _read_slots(protocol, call), gpu_gen)
     ref_pool, ref_call = pool.double(), dict(call)
     if protocol == "buffer":
         call["intermediate_states"] = torch.full((B + 1, T, *pool.shape[1:]), float("nan"), device=DEVICE)
         ref_call["intermediate_states"] = call["intermediate_states"].double()
-    kw = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
     q, k, v, rest = _split(kw)
     o, pending = cula_verify(q, k, v, pool, mode=mode, protocol=protocol, **call, **rest, **backend)
     q, k, v, rest = _split(to_float64(kw))
@@ -156,6 +153,32 @@ def test_verify_and_commit_model_shapes(mode, protocol, B, backend):
     cula_commit(pending, accepted)
     cula_commit(ref_pending, accepted, **ORACLE_COMMIT)
     _assert_same_writes(pool, ref_pool, tol, "pool after commit")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("protocol", ["buffer", "slots", "deferred"])
+@pytest.mark.parametrize("B", BATCHES)
+def test_verify_and_commit_model_shapes(mode, protocol, B, backend):
+    cpu_gen, gpu_gen = _generators(100 + B)
+    kw = random_inputs(mode, (B, T), **SHAPES[mode], device=DEVICE, generator=cpu_gen)
+    _check_verify_and_commit(mode, protocol, kw, backend, cpu_gen, gpu_gen)
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+@pytest.mark.parametrize("protocol", ["buffer", "slots", "deferred"])
+def test_verify_and_commit_strong_decays(mode, protocol, backend):
+    """T = 8 (the longest verify) with prepared log decays near -25 on tokens 1, 2 and 5 (in every
+    channel for KDA): the products of decays fall below 2^-60 within the verify (where a kernel
+    that folds scalar decays into per-token factors must apply them to the state) and the token
+    couplings of earlier tokens underflow."""
+    B, tokens = 8, 8
+    cpu_gen, gpu_gen = _generators(17)
+    kw = random_inputs(mode, (B, tokens), **SHAPES[mode], device=DEVICE, generator=cpu_gen, fused_gate=False)
+    strong = torch.zeros(tokens, dtype=torch.bool, device=DEVICE)
+    strong[[1, 2, 5]] = True
+    strong = strong.view(1, tokens, *([1] * (kw["g"].dim() - 2)))
+    kw["g"] = torch.where(strong, kw["g"] - 25.0, kw["g"])
+    _check_verify_and_commit(mode, protocol, kw, backend, cpu_gen, gpu_gen)
 
 
 @pytest.mark.parametrize("mode, gate", [("gdn", "prepared"), ("kda", "prepared"), ("kda", "safe")])
@@ -258,7 +281,7 @@ def test_cuda_graph_verify_and_commit(mode, protocol, backend):
     B = 8
     cpu_gen, gpu_gen = _generators(11)
     shape = SHAPES[mode]
-    P, layout, accepted = _protocol_layout(protocol, B, cpu_gen)
+    P, layout, accepted = _protocol_layout(protocol, B, T, cpu_gen)
     initial = _pool(P, shape, torch.float32, torch.arange(P, device=DEVICE), gpu_gen)
     pool = initial.clone()
     static = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
@@ -274,7 +297,7 @@ def test_cuda_graph_verify_and_commit(mode, protocol, backend):
 
     for seed in range(2):
         new = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
-        _, new_layout, new_accepted = _protocol_layout(protocol, B, torch.Generator().manual_seed(seed))
+        _, new_layout, new_accepted = _protocol_layout(protocol, B, T, torch.Generator().manual_seed(seed))
         new.update(new_layout)
         _refill(static, new)
         static_accepted.copy_(new_accepted.roll(seed + 1))
