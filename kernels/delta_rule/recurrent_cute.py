@@ -46,11 +46,13 @@ token's update: the sequential form was latency-bound, 89 us against 65 now at B
 an H200); A and B are computed once per CTA (``_pair_coefficients``) and the per-column
 triangular recurrence is T^2 scalar steps on the lane that holds the column's sums.
 
-Memory. The state is staged through shared memory by cp.async (coalesced, issued as soon as the
-slot is known, awaited only after the tokens are prepared: a plain register load was scheduled by
-ptxas after the gate's arithmetic, one more DRAM round trip at B = 1). Stores of runs longer than
-16 bytes go back through the same shared memory and out in coalesced 16-byte units
-(``_store_state``). Loads that do not depend on the slot (the tokens' inputs, v or the saved u)
+Memory. With STAGE the state goes through shared memory by cp.async (coalesced, issued as soon
+as the slot is known, awaited only after the tokens are prepared: a plain register load was
+scheduled by ptxas after the gate's arithmetic, one more DRAM round trip at B = 1), and stores of
+runs longer than 16 bytes go back through it and out in coalesced 16-byte units
+(``_store_state``). Without STAGE, loads and stores go between registers and memory directly:
+the L1 absorbs the partly used sectors, and a CTA needs no shared memory for the state, so more
+CTAs fit on an SM (the deferred verify's choice at scale). Loads that do not depend on the slot (the tokens' inputs, v or the saved u)
 are issued first, so that their latency overlaps the slot's.
 
 Padding rows (slot < 0) read and write no state and get zero outputs (and zero saved u); a commit
@@ -309,19 +311,19 @@ def _state_unit(e: Int32, K: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
 @cute.jit
 def _store_state(S: cute.Tensor, factor: Float32, share: cute.Tensor, block: cute.Tensor, dst: cute.Pointer,
                  dst_offset: Int64, lane: Int32, K: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
-                 PAD: cutlass.Constexpr[int], PER_COPY: cutlass.Constexpr[int]):
+                 PAD: cutlass.Constexpr[int], PER_COPY: cutlass.Constexpr[int], STAGE: cutlass.Constexpr[bool]):
     """factor * S (this lane's float32 register share) into the warp's block of columns at
     ``dst + dst_offset``, in the destination dtype.
 
     A lane's share of a column is a run of CH contiguous elements. Runs of 16 bytes or less are
     stored straight from registers: one store instruction of the warp then covers whole columns.
-    Longer runs go through the lane's ``share`` of the warp's shared-memory ``block`` and are
-    written out in units of PER_COPY elements in order across the lanes: stored from registers,
-    one instruction would touch 32 lines at a few bytes each (decode ran at half the bandwidth)."""
+    With STAGE, longer runs go through the lane's ``share`` of the warp's shared-memory ``block``
+    and are written out in units of PER_COPY elements in order across the lanes (stored from
+    registers, one instruction touches up to 32 lines; see ``launch_shape`` for when that costs)."""
     converted = cute.make_rmem_tensor(S.layout, share.element_type)
     converted.store((S.load() * factor).to(share.element_type))
     R = cute.size(S) // CH
-    if cutlass.const_expr(CH * share.element_type.width <= 128):
+    if cutlass.const_expr(CH * share.element_type.width <= 128 or not STAGE):
         G = K // CH
         first = (lane // G) * R * K + (lane % G) * CH
         cute.autovec_copy(converted, _view(dst, dst_offset + first, R, K, CH, min(CH, PER_COPY)))
@@ -425,7 +427,7 @@ def _recurrent_kernel(
     V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], G: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
     FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
     QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool], SAVED_U: cutlass.Constexpr[bool],
-    VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
+    VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int], STAGE: cutlass.Constexpr[bool],
 ):
     VEC = K // 32  # a lane's channels while preparing the tokens (32 lanes over K)
     CH = K // G  # a lane's channels of the state (G lanes over K)
@@ -482,7 +484,8 @@ def _recurrent_kernel(
     PAD = _padding(CH, UNIT)
     COL_STRIDE = G * (CH + PAD)
     smem = SmemAllocator()
-    staged = smem.allocate_tensor(state_type, cute.make_layout(WARPS * COLS * COL_STRIDE), 16)
+    # (without STAGE the state goes between registers and memory directly: a token buffer only)
+    staged = smem.allocate_tensor(state_type, cute.make_layout(WARPS * COLS * COL_STRIDE if STAGE else UNIT), 16)
     PREP_PAD = _padding(CH, 4)
     # per token: k, q, the per-channel decay (KDA), and for a deferred verify Gamma_t k, Gamma_t q
     DEFERRED = OP == OP_DEFERRED
@@ -498,25 +501,30 @@ def _recurrent_kernel(
     share = _view(warp_block.iterator, group * R * COL_STRIDE + part * (CH + PAD), R, COL_STRIDE, CH, min(CH, UNIT))
     per_copy = UNIT if VECTOR_POOL else 1
     if slot >= 0:
-        # The warp's block of the state goes to shared memory, coalesced (units in order across
-        # the lanes), as soon as the slot is known: by cp.async in 16-byte units when the pool's
-        # slots are 16-byte aligned, else element-wise through registers. A lane's share is read
-        # back after the tokens are prepared.
-        units = COLS * K // per_copy
         block = slot * stride_pool + head_offset
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), state_type,
-                                   num_bits_per_copy=128)
-        for i in cutlass.range_constexpr((units + 31) // 32):
-            unit = lane + 32 * i
-            if unit < units:
-                e = unit * per_copy
-                dst = _state_unit(e, K, CH, PAD)
-                if cutlass.const_expr(VECTOR_POOL):
-                    # .cg: the state is streamed, never reread
-                    cute.copy(atom, _unit(pool, block + e, per_copy), _unit(warp_block.iterator, dst, per_copy))
-                else:
-                    warp_block[dst] = cute.make_tensor(pool + (block + e), cute.make_layout(1))[0]
-        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(STAGE):
+            # The warp's block of the state goes to shared memory, coalesced (units in order across
+            # the lanes), as soon as the slot is known: by cp.async in 16-byte units when the pool's
+            # slots are 16-byte aligned, else element-wise through registers. A lane's share is read
+            # back after the tokens are prepared.
+            units = COLS * K // per_copy
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), state_type,
+                                       num_bits_per_copy=128)
+            for i in cutlass.range_constexpr((units + 31) // 32):
+                unit = lane + 32 * i
+                if unit < units:
+                    e = unit * per_copy
+                    dst = _state_unit(e, K, CH, PAD)
+                    if cutlass.const_expr(VECTOR_POOL):
+                        # .cg: the state is streamed, never reread
+                        cute.copy(atom, _unit(pool, block + e, per_copy), _unit(warp_block.iterator, dst, per_copy))
+                    else:
+                        warp_block[dst] = cute.make_tensor(pool + (block + e), cute.make_layout(1))[0]
+            cute.arch.cp_async_commit_group()
+        else:
+            # straight into registers: a lane's runs are whole 16-byte units, and the L1 serves
+            # the other halves of the sectors the warp's neighbouring loads touched
+            S = _registers(_view(pool, block + (group * R * K + part * CH), R, K, CH, min(CH, UNIT) if VECTOR_POOL else 1))
 
         # Prepare the tokens once per CTA (norms, gates, beta) into shared memory, each vector laid
         # out as G runs of CH channels (the lanes' shares), padded against bank conflicts.
@@ -544,7 +552,8 @@ def _recurrent_kernel(
             buffer_row = Int64(buffer_rows[i_n])
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
-        S = _registers(share)
+        if cutlass.const_expr(STAGE):
+            S = _registers(share)
 
         if cutlass.const_expr(DEFERRED):
             # No state is written: every output follows from 2T dot products with S0 and the
@@ -626,16 +635,16 @@ def _recurrent_kernel(
                     # states the protocol keeps per token
                     if cutlass.const_expr(OP == OP_BUFFER):
                         _store_state(S, gamma[t], share, warp_block, buffer,
-                                     buffer_row * stride_buf_r + t * stride_buf_t + head_offset, lane, K, CH, PAD, per_copy)
+                                     buffer_row * stride_buf_r + t * stride_buf_t + head_offset, lane, K, CH, PAD, per_copy, STAGE)
                     if cutlass.const_expr(OP == OP_SLOTS):
                         token_slot = Int64(state_indices[i_n, t])
                         if token_slot >= 0:
                             _store_state(S, gamma[t], share, warp_block, pool, token_slot * stride_pool + head_offset,
-                                         lane, K, CH, PAD, per_copy)
+                                         lane, K, CH, PAD, per_copy, STAGE)
 
         if cutlass.const_expr(OP == OP_DECODE or OP == OP_COMMIT):
             if count > 0:
-                _store_state(S, _pick(gamma, count - 1), share, warp_block, pool, block, lane, K, CH, PAD, per_copy)
+                _store_state(S, _pick(gamma, count - 1), share, warp_block, pool, block, lane, K, CH, PAD, per_copy, STAGE)
     else:
         # padding: zero outputs (and zero saved u), no state traffic
         if lane < COLS:
@@ -662,7 +671,7 @@ def _launch(
     V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], G: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
     FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
     QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool], SAVED_U: cutlass.Constexpr[bool],
-    VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
+    VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int], STAGE: cutlass.Constexpr[bool],
 ):
     """Views of the raw pointers (per-token tensors as [N, T, heads, D], D's stride 1 or, for a
     per-head scalar, 0) and the launch."""
@@ -686,7 +695,7 @@ def _launch(
     _recurrent_kernel(
         q, k, v, g, beta, o, saved_u, A_log, dt_bias, pool_ptr, stride_pool, buffer_ptr, stride_buf_r, stride_buf_t,
         state_indices, num_accepted, buffer_rows, scale, lower_bound,
-        T, H, HV, K, V, R, G, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS,
+        T, H, HV, K, V, R, G, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS, STAGE,
     ).launch(grid=(N * HV, V // columns_per_cta, 1), block=(32 * WARPS, 1, 1), stream=stream)
 
 
@@ -714,26 +723,33 @@ def _compiled(dtypes: tuple, constexprs: tuple):
     return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **config)
 
 
-def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype) -> tuple[int, int, int]:
-    """(R, G, WARPS): a lane's state columns, the lanes sharing a column (each holds K / G of its
-    channels) and the warps of a CTA (R * 32 / G * WARPS columns per CTA, at most V).
+def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int,
+                 state_dtype: torch.dtype) -> tuple[int, int, int, bool]:
+    """(R, G, WARPS, STAGE): a lane's state columns, the lanes sharing a column (each holds K / G
+    of its channels), the warps of a CTA (R * 32 / G * WARPS columns per CTA, at most V), and
+    whether the state passes through shared memory (``_recurrent_kernel``).
 
     Measured on an H200 (CUDA-graph replay, L2 flushed, K = V = 128, B = 64, T = 4, 2026-11-24;
     times in us for GDN / KDA / Lightning):
-    - decode, float32 pool: R16 G32 W8 75.4 / 76.4 / 139.1 (R8 G32 W4 77.8 / 79.7 / 146.3, R2 G4
-      W4 81.1); bfloat16: R8 G16 W4 42.3 / 43.7 / 77.5 (R16 G32 W8 46.9).
-    - deferred verify (WY form): R4 G8 W4 65.1 / 68.3 / 99.1 float32 (R16 G32 W8 89.9 / 92.0 /
-      147.3), 54.0 / 60.0 / 73.6 bfloat16. Two lanes per column (G = 32) pay for reductions,
-      few lanes (G = 4) for rereading k and q from shared memory.
-    - commit, buffer and slots verify: float32 R8 G32 W4 (commit 80.3 / 84.3 / 150.6; buffer
-      ~194-200 with every shape); bfloat16 R8 G16 W4 (commit 43.7 / 47.6 / 80.9).
-    - a few sequences (fewer than 2048 heads): many small CTAs; decode at B = 1 took 7.1 us with
-      R2 G32 W4 against 7.5 with R1 (the first version of this kernel).
+    - decode, float32 pool: R16 G32 W8 staged 75.1 / 76.4 / 138.7 (unstaged the same; R8 G32 W4
+      76.1 / 77.9 / 150.0; one-warp CTAs R8 G32 W1 76.4 for GDN; R2 G4 W4 81.1); bfloat16: R8 G16
+      W4 staged 42.1 for GDN (R16 G32 W8 46.6, R8 G32 W1 unstaged 41.6).
+    - deferred verify (WY form): R8 G16 W4 unstaged 54.9 / 59.4 / 86.7 float32 (staged 76.2 /
+      81.0 / 128.2: 64 KB of shared memory per CTA cap the CTAs per SM), 46.4 for GDN bfloat16;
+      R4 G8 W4 staged 63.5 / 68.5 / 101.0; R16 G32 W8 89.9 / 92.0 / 147.3. At B = 256 (GDN
+      float32) R8 G16 W4 unstaged 182.0 against 212.9 for R4 G8 W4 staged. Two lanes per column
+      (G = 32) pay for reductions, few (G = 4) for rereading k and q from shared memory.
+    - commit, buffer and slots verify: float32 R8 G32 W4 staged (commit 79.0 / 82.0 / 154.7; R16
+      G32 W8 85.9; buffer ~194-200 with every shape); bfloat16 R8 G16 W4 (commit 43.6 for GDN).
+    - a few sequences (fewer than 2048 heads): many small CTAs, state staged (its cp.async goes
+      out right after the slot: one DRAM round trip less at B = 1); decode at B = 1 took 7.1 us
+      with R2 G32 W4 against 7.5 with R1 (the first version of this kernel).
     """
+    stage = True
     if N * HV < 2048:
         rows, lanes, warps = (1, 4, 4) if op == "deferred" else (2, 32, 4)
     elif op == "deferred":
-        rows, lanes, warps = 4, 8, 4
+        rows, lanes, warps, stage = 8, 16, 4, False
     elif state_dtype != torch.float32:
         rows, lanes, warps = 8, 16, 4
     elif op == "decode":
@@ -749,7 +765,7 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
         else:
             lanes *= 2
     rows = min(rows, lanes)  # a reduce-scatter of R sums needs R <= G lanes
-    return rows, lanes, warps
+    return rows, lanes, warps, stage
 
 
 def _vector_pool(*states: torch.Tensor | None) -> bool:
@@ -768,7 +784,7 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     """Run the recipe's recurrence over T tokens of N sequences against the state pool.
 
     Arguments as for ``recurrent_triton.delta_rule_recurrent`` (Lightning: g is the decay [HV] and
-    beta None); ``shape`` (R, G, WARPS) overrides ``launch_shape`` (benchmark sweeps). K must be
+    beta None); ``shape`` (R, G, WARPS, STAGE) overrides ``launch_shape`` (benchmark sweeps). K must be
     32, 64, 128 or 256 and V a power of two from 16.
     """
     N, T, HV, V = v.shape
@@ -790,7 +806,7 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     A_log = None if gate is None else gate.A_log.contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     buffer = intermediate_states if op == "buffer" else None
-    rows, lanes, warps = shape or launch_shape(op, N, HV, K, V, T, state_pool.dtype)
+    rows, lanes, warps, stage = shape or launch_shape(op, N, HV, K, V, T, state_pool.dtype)
     indices = state_indices if state_indices.dim() == 2 else state_indices[:, None]
 
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta, o=target, saved_u=saved_u, A_log=A_log, dt_bias=dt_bias,
@@ -804,7 +820,8 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                   ("GATE", GATE_NONE if gate is None else GATE_SAFE if gate.lower_bound is not None else GATE_SOFTPLUS),
                   ("HAS_DT_BIAS", dt_bias is not None), ("QK_L2NORM", recipe.qk_l2norm),
                   ("BETA_LOGITS", recipe.beta_logits), ("SAVED_U", saved_u is not None),
-                  ("VECTOR_POOL", _vector_pool(state_pool, buffer)), ("WARPS", warps))
+                  ("VECTOR_POOL", _vector_pool(state_pool, buffer)), ("WARPS", warps),
+                  ("STAGE", stage))
     compiled = _compiled(dtypes, constexprs)
     vector = dict(constexprs)["VECTOR_POOL"]
     pointers = [_pointer(dt, 0 if tensors[name] is None else tensors[name].data_ptr(),
