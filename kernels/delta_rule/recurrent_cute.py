@@ -52,8 +52,8 @@ scheduled by ptxas after the gate's arithmetic, one more DRAM round trip at B = 
 runs longer than 16 bytes go back through it and out in coalesced 16-byte units
 (``_store_state``). Without STAGE, loads and stores go between registers and memory directly:
 the L1 absorbs the partly used sectors, and a CTA needs no shared memory for the state, so more
-CTAs fit on an SM (the deferred verify's choice at scale). Loads that do not depend on the slot (the tokens' inputs, v or the saved u)
-are issued first, so that their latency overlaps the slot's.
+CTAs fit on an SM (the deferred verify's choice at scale). Loads that do not depend on the slot
+(the tokens' inputs, v or the saved u) are issued first, so that their latency overlaps the slot's.
 
 Padding rows (slot < 0) read and write no state and get zero outputs (and zero saved u); a commit
 runs only its accepted tokens (a warp-uniform branch on ``num_accepted_tokens``).
@@ -310,10 +310,11 @@ def _state_unit(e: Int32, K: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
 
 @cute.jit
 def _store_state(S: cute.Tensor, factor: Float32, share: cute.Tensor, block: cute.Tensor, dst: cute.Pointer,
-                 dst_offset: Int64, lane: Int32, K: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
-                 PAD: cutlass.Constexpr[int], PER_COPY: cutlass.Constexpr[int], STAGE: cutlass.Constexpr[bool]):
+                 dst_offset: Int64, lane: Int32, lane_offset: Int32, K: cutlass.Constexpr[int],
+                 CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int], PER_COPY: cutlass.Constexpr[int],
+                 STAGE: cutlass.Constexpr[bool]):
     """factor * S (this lane's float32 register share) into the warp's block of columns at
-    ``dst + dst_offset``, in the destination dtype.
+    ``dst + dst_offset`` (this lane's runs start ``lane_offset`` further), in the destination dtype.
 
     A lane's share of a column is a run of CH contiguous elements. Runs of 16 bytes or less are
     stored straight from registers: one store instruction of the warp then covers whole columns.
@@ -324,9 +325,7 @@ def _store_state(S: cute.Tensor, factor: Float32, share: cute.Tensor, block: cut
     converted.store((S.load() * factor).to(share.element_type))
     R = cute.size(S) // CH
     if cutlass.const_expr(CH * share.element_type.width <= 128 or not STAGE):
-        G = K // CH
-        first = (lane // G) * R * K + (lane % G) * CH
-        cute.autovec_copy(converted, _view(dst, dst_offset + first, R, K, CH, min(CH, PER_COPY)))
+        cute.autovec_copy(converted, _view(dst, dst_offset + lane_offset, R, K, CH, min(CH, PER_COPY)))
     else:
         cute.autovec_copy(converted, share)
         cute.arch.sync_warp()
@@ -360,6 +359,14 @@ def _prepared_run(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], part
 
 
 @cute.jit
+def _prepared_values(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], channels: list,
+                     VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                     PAD: cutlass.Constexpr[int]) -> list:
+    """``channels`` of prepared vector ``vector`` of token t (the preparing warps' mapping)."""
+    return [prepared[_prep_index(t, vector, ch, VECTORS, G, CH, PAD)] for ch in channels]
+
+
+@cute.jit
 def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars: cute.Tensor, warp: Int32,
                        lane: Int32, A: Float32, T: cutlass.Constexpr[int], WARPS: cutlass.Constexpr[int],
                        VEC: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int],
@@ -375,17 +382,18 @@ def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars
     for t in cutlass.range_constexpr(T):
         if warp == t % WARPS:
             channels = [lane * VEC + c for c in range(VEC)]
-            kt = [prepared[_prep_index(t, K_VECTOR, ch, VECTORS, G, CH, PAD)] for ch in channels]
-            qt = [prepared[_prep_index(t, Q_VECTOR, ch, VECTORS, G, CH, PAD)] for ch in channels]
+            kt = _prepared_values(prepared, t, K_VECTOR, channels, VECTORS, G, CH, PAD)
+            qt = _prepared_values(prepared, t, Q_VECTOR, channels, VECTORS, G, CH, PAD)
             decay = [Float32(1.0) for _ in range(VEC)]
             for s in cutlass.range_constexpr(t, -1, -1):
                 if cutlass.const_expr(s < t):
                     if cutlass.const_expr(FAMILY == KDA):
-                        decay = [decay[c] * prepared[_prep_index(s + 1, DECAY_VECTOR, channels[c], VECTORS, G, CH, PAD)] for c in range(VEC)]
+                        gamma = _prepared_values(prepared, s + 1, DECAY_VECTOR, channels, VECTORS, G, CH, PAD)
+                        decay = [decay[c] * gamma[c] for c in range(VEC)]
                     else:
                         gamma = A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[2 * (s + 1) + 1]
                         decay = [d * gamma for d in decay]
-                ks = [prepared[_prep_index(s, K_VECTOR, ch, VECTORS, G, CH, PAD)] for ch in channels]
+                ks = _prepared_values(prepared, s, K_VECTOR, channels, VECTORS, G, CH, PAD)
                 decayed = [decay[c] * ks[c] for c in range(VEC)]
                 if cutlass.const_expr(s < t and FAMILY != LIGHTNING):
                     a_ts = Float32(0.0)
@@ -401,7 +409,8 @@ def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars
                 if lane == 0:
                     coefficients[1, t, s] = b_ts
             if cutlass.const_expr(FAMILY == KDA):
-                decay = [decay[c] * prepared[_prep_index(0, DECAY_VECTOR, channels[c], VECTORS, G, CH, PAD)] for c in range(VEC)]
+                gamma0 = _prepared_values(prepared, 0, DECAY_VECTOR, channels, VECTORS, G, CH, PAD)
+                decay = [decay[c] * gamma0[c] for c in range(VEC)]
             else:
                 gamma0 = A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[1]
                 decay = [d * gamma0 for d in decay]
@@ -484,7 +493,7 @@ def _recurrent_kernel(
     PAD = _padding(CH, UNIT)
     COL_STRIDE = G * (CH + PAD)
     smem = SmemAllocator()
-    # (without STAGE the state goes between registers and memory directly: a token buffer only)
+    # (without STAGE the state skips shared memory: a one-unit placeholder keeps the views uniform)
     staged = smem.allocate_tensor(state_type, cute.make_layout(WARPS * COLS * COL_STRIDE if STAGE else UNIT), 16)
     PREP_PAD = _padding(CH, 4)
     # per token: k, q, the per-channel decay (KDA), and for a deferred verify Gamma_t k, Gamma_t q
@@ -496,6 +505,7 @@ def _recurrent_kernel(
     coefficients = smem.allocate_tensor(Float32, cute.make_layout((2, T, T), stride=(T * T, T, 1)), 16)
 
     head_offset = Int64((i_hv * V + v0) * K)  # this warp's block of COLS columns, contiguous
+    lane_offset = group * R * K + part * CH  # where this lane's first run starts in the block
     warp_block = cute.make_tensor(staged.iterator + cute.assume(warp * (COLS * COL_STRIDE), divby=UNIT),
                                   cute.make_layout(COLS * COL_STRIDE))
     share = _view(warp_block.iterator, group * R * COL_STRIDE + part * (CH + PAD), R, COL_STRIDE, CH, min(CH, UNIT))
@@ -524,7 +534,7 @@ def _recurrent_kernel(
         else:
             # straight into registers: a lane's runs are whole 16-byte units, and the L1 serves
             # the other halves of the sectors the warp's neighbouring loads touched
-            S = _registers(_view(pool, block + (group * R * K + part * CH), R, K, CH, min(CH, UNIT) if VECTOR_POOL else 1))
+            S = _registers(_view(pool, block + lane_offset, R, K, CH, min(CH, UNIT) if VECTOR_POOL else 1))
 
         # Prepare the tokens once per CTA (norms, gates, beta) into shared memory, each vector laid
         # out as G runs of CH channels (the lanes' shares), padded against bank conflicts.
@@ -635,16 +645,18 @@ def _recurrent_kernel(
                     # states the protocol keeps per token
                     if cutlass.const_expr(OP == OP_BUFFER):
                         _store_state(S, gamma[t], share, warp_block, buffer,
-                                     buffer_row * stride_buf_r + t * stride_buf_t + head_offset, lane, K, CH, PAD, per_copy, STAGE)
+                                     buffer_row * stride_buf_r + t * stride_buf_t + head_offset, lane, lane_offset,
+                                     K, CH, PAD, per_copy, STAGE)
                     if cutlass.const_expr(OP == OP_SLOTS):
                         token_slot = Int64(state_indices[i_n, t])
                         if token_slot >= 0:
                             _store_state(S, gamma[t], share, warp_block, pool, token_slot * stride_pool + head_offset,
-                                         lane, K, CH, PAD, per_copy, STAGE)
+                                         lane, lane_offset, K, CH, PAD, per_copy, STAGE)
 
         if cutlass.const_expr(OP == OP_DECODE or OP == OP_COMMIT):
             if count > 0:
-                _store_state(S, _pick(gamma, count - 1), share, warp_block, pool, block, lane, K, CH, PAD, per_copy, STAGE)
+                _store_state(S, _pick(gamma, count - 1), share, warp_block, pool, block, lane, lane_offset,
+                             K, CH, PAD, per_copy, STAGE)
     else:
         # padding: zero outputs (and zero saved u), no state traffic
         if lane < COLS:
