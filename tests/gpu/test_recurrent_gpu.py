@@ -128,15 +128,28 @@ def test_decode_model_shapes(mode, B, state_dtype, backend):
     assert (o[slots < 0] == 0).all()
 
 
-def _check_verify_and_commit(mode, protocol, kw, backend, cpu_gen, gpu_gen):
+def _paged(dense, page_pad):
+    """``dense`` [P, ...] as a view into pages of one slot plus ``page_pad`` NaN floats each (an
+    engine's strided pool). Returns (pool view, pages)."""
+    slot_size = dense[0].numel()
+    pages = torch.full((dense.shape[0], slot_size + page_pad), float("nan"), device=DEVICE)
+    pool = pages[:, :slot_size].view(dense.shape)
+    pool.copy_(dense)
+    return pool, pages
+
+
+def _check_verify_and_commit(mode, protocol, kw, backend, cpu_gen, gpu_gen, page_pad=None):
     """Verify of ``kw`` ([B, T] tokens, bf16) on a float32 pool by ``backend`` against the float64
     oracle: the outputs, what the verify writes, and the pool after a commit whose accepted counts
-    cover every length."""
+    cover every length. With ``page_pad`` the pool is paged (``_paged``) and its padding must stay
+    NaN."""
     B, T = kw["v"].shape[:2]
     shape = SHAPES[mode]
     P, call, accepted = _protocol_layout(protocol, B, T, cpu_gen)
     pool = _pool(P, shape, torch.float32, _read_slots(protocol, call), gpu_gen)
     ref_pool, ref_call = pool.double(), dict(call)
+    if page_pad is not None:
+        pool, pages = _paged(pool, page_pad)
     if protocol == "buffer":
         call["intermediate_states"] = torch.full((B + 1, T, *pool.shape[1:]), float("nan"), device=DEVICE)
         ref_call["intermediate_states"] = call["intermediate_states"].double()
@@ -153,6 +166,8 @@ def _check_verify_and_commit(mode, protocol, kw, backend, cpu_gen, gpu_gen):
     cula_commit(pending, accepted)
     cula_commit(ref_pending, accepted, **ORACLE_COMMIT)
     _assert_same_writes(pool, ref_pool, tol, "pool after commit")
+    if page_pad is not None:
+        assert torch.isnan(pages[:, pool[0].numel():]).all(), "wrote into the padding between slots"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -205,13 +220,20 @@ def test_decode_paged_pool(page_pad, backend):
     shape = SHAPES[mode]
     slots, P = _slots(B, cpu_gen)
     dense = _pool(P, shape, torch.float32, slots, gpu_gen)
-    slot_size = dense[0].numel()
-    pages = torch.full((P, slot_size + page_pad), float("nan"), device=DEVICE)
-    pool = pages[:, :slot_size].view(P, *dense.shape[1:])
-    pool.copy_(dense)
+    pool, pages = _paged(dense, page_pad)
     kw = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
     _check_decode(mode, kw, pool, dense.double(), slots, backend, torch.float32)
-    assert torch.isnan(pages[:, slot_size:]).all(), "wrote into the padding between slots"
+    assert torch.isnan(pages[:, dense[0].numel():]).all(), "wrote into the padding between slots"
+
+
+@pytest.mark.parametrize("page_pad", [4, 1])
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+def test_verify_and_commit_paged_pool(mode, page_pad, backend):
+    """Deferred verify + commit at B = 64 on paged pools (kernels may pick other load and store
+    paths at this size than at B = 8, vectorised or element-wise by the pages' alignment)."""
+    cpu_gen, gpu_gen = _generators(23)
+    kw = random_inputs(mode, (64, T), **SHAPES[mode], device=DEVICE, generator=cpu_gen)
+    _check_verify_and_commit(mode, "deferred", kw, backend, cpu_gen, gpu_gen, page_pad=page_pad)
 
 
 # ------------------------------------------------------------------------------------------------
