@@ -50,9 +50,9 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int) -> str | None:
     """Why automatic dispatch should pass this call to the next backend although this one can
     run it: where the Triton kernels measured faster (H200, CUDA-graph replay, 2026-11-24;
     BENCHMARKS.md). Decode below 2048 heads (B < 64 at 32 heads): slower than Triton there (GDN
-    B = 8: 15.9 against 14.6 us, B = 1: 7.3 against 6.8); from B = 64 on as fast or faster. Verify and commit: faster, or within 5% (Lightning at
-    B = 1 and 8), from B = 1 on (T = 4 deferred verify + commit, GDN B = 64: 128.0 against
-    152.8 us)."""
+    B = 8: 15.9 against 14.6 us, B = 1: 7.3 against 6.8); from B = 64 on as fast or faster.
+    Verify and commit: faster, or within 5% (Lightning at B = 1 and 8), from B = 1 on (T = 4
+    deferred verify + commit, GDN B = 64: 128.0 against 152.8 us)."""
     if operation == "decode" and N * HV < 2048:
         return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
     return None

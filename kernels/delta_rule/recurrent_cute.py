@@ -367,6 +367,27 @@ def _prepared_values(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], c
 
 
 @cute.jit
+def _token_decay(prepared: cute.Tensor, scalars: cute.Tensor, A: Float32, t, channels: list,
+                 FAMILY: cutlass.Constexpr[int], DECAY_VECTOR: cutlass.Constexpr[int],
+                 VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                 PAD: cutlass.Constexpr[int]) -> list:
+    """Token t's decay factor exp(g_t): KDA's per ``channels`` (prepared vector DECAY_VECTOR), else
+    one scalar (GDN's prepared, Lightning's head constant A)."""
+    if cutlass.const_expr(FAMILY == KDA):
+        return _prepared_values(prepared, t, DECAY_VECTOR, channels, VECTORS, G, CH, PAD)
+    return [A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[2 * t + 1]]
+
+
+@cute.jit
+def _head_dot(x: list, y: list) -> Float32:
+    """sum_c x[c] y[c] over the whole head: this lane's channels, then all 32 lanes."""
+    partial = Float32(0.0)
+    for c in cutlass.range_constexpr(len(x)):
+        partial = partial + x[c] * y[c]
+    return _butterfly(partial, 16)
+
+
+@cute.jit
 def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars: cute.Tensor, warp: Int32,
                        lane: Int32, A: Float32, T: cutlass.Constexpr[int], WARPS: cutlass.Constexpr[int],
                        VEC: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int],
@@ -378,42 +399,27 @@ def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars
     into their prepared vectors (the last two). Products of decays, never exp(-G): nothing can
     overflow."""
     K_VECTOR, Q_VECTOR, DECAY_VECTOR, KD_VECTOR, QD_VECTOR = 0, 1, 2, VECTORS - 2, VECTORS - 1
-
     for t in cutlass.range_constexpr(T):
         if warp == t % WARPS:
             channels = [lane * VEC + c for c in range(VEC)]
             kt = _prepared_values(prepared, t, K_VECTOR, channels, VECTORS, G, CH, PAD)
             qt = _prepared_values(prepared, t, Q_VECTOR, channels, VECTORS, G, CH, PAD)
-            decay = [Float32(1.0) for _ in range(VEC)]
-            for s in cutlass.range_constexpr(t, -1, -1):
+            decay = [Float32(1.0) for _ in range(VEC)]  # D_ts, s from t down to -1 (then Gamma_t)
+            for s in cutlass.range_constexpr(t, -2, -1):
                 if cutlass.const_expr(s < t):
-                    if cutlass.const_expr(FAMILY == KDA):
-                        gamma = _prepared_values(prepared, s + 1, DECAY_VECTOR, channels, VECTORS, G, CH, PAD)
-                        decay = [decay[c] * gamma[c] for c in range(VEC)]
-                    else:
-                        gamma = A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[2 * (s + 1) + 1]
-                        decay = [d * gamma for d in decay]
-                ks = _prepared_values(prepared, s, K_VECTOR, channels, VECTORS, G, CH, PAD)
-                decayed = [decay[c] * ks[c] for c in range(VEC)]
-                if cutlass.const_expr(s < t and FAMILY != LIGHTNING):
-                    a_ts = Float32(0.0)
-                    for c in cutlass.range_constexpr(VEC):
-                        a_ts = a_ts + kt[c] * decayed[c]
-                    a_ts = _butterfly(a_ts, 16)
+                    gamma = _token_decay(prepared, scalars, A, s + 1, channels, FAMILY, DECAY_VECTOR, VECTORS, G, CH,
+                                         PAD)
+                    decay = [decay[c] * gamma[c % len(gamma)] for c in range(VEC)]
+                if cutlass.const_expr(s >= 0):
+                    ks = _prepared_values(prepared, s, K_VECTOR, channels, VECTORS, G, CH, PAD)
+                    decayed = [decay[c] * ks[c] for c in range(VEC)]
+                    if cutlass.const_expr(s < t and FAMILY != LIGHTNING):
+                        a_ts = _head_dot(kt, decayed)
+                        if lane == 0:
+                            coefficients[0, t, s] = a_ts
+                    b_ts = _head_dot(qt, decayed)
                     if lane == 0:
-                        coefficients[0, t, s] = a_ts
-                b_ts = Float32(0.0)
-                for c in cutlass.range_constexpr(VEC):
-                    b_ts = b_ts + qt[c] * decayed[c]
-                b_ts = _butterfly(b_ts, 16)
-                if lane == 0:
-                    coefficients[1, t, s] = b_ts
-            if cutlass.const_expr(FAMILY == KDA):
-                gamma0 = _prepared_values(prepared, 0, DECAY_VECTOR, channels, VECTORS, G, CH, PAD)
-                decay = [decay[c] * gamma0[c] for c in range(VEC)]
-            else:
-                gamma0 = A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[1]
-                decay = [d * gamma0 for d in decay]
+                        coefficients[1, t, s] = b_ts
             for c in cutlass.range_constexpr(VEC):
                 prepared[_prep_index(t, KD_VECTOR, channels[c], VECTORS, G, CH, PAD)] = decay[c] * kt[c]
                 prepared[_prep_index(t, QD_VECTOR, channels[c], VECTORS, G, CH, PAD)] = decay[c] * qt[c]
@@ -604,8 +610,8 @@ def _recurrent_kernel(
             if cutlass.const_expr(FOLD):
                 running = Float32(1.0)
                 for t in cutlass.range_constexpr(T):
-                    decay_t = A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[2 * t + 1]
-                    candidate = running * decay_t
+                    candidate = running * _token_decay(prepared, scalars, A, t, [], FAMILY, DECAY_VECTOR,
+                                                       VECTORS, G, CH, PREP_PAD)[0]
                     small = candidate < FOLD_FLOOR
                     applied[t] = cutlass.select_(small, candidate, Float32(1.0))
                     running = cutlass.select_(small, Float32(1.0), candidate)
