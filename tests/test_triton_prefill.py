@@ -139,13 +139,13 @@ def _call(mode, kw, **call):
     return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **call)
 
 
-def _run_both(mode, kw, pool, **call):
-    """(out, ref_out, ref_pool): the triton prefill into ``pool`` (and a NaN-poisoned ``out``)
-    and the float64 oracle on a float64 copy of the pool."""
+def _run_both(mode, kw, pool, segment_tokens=None, **call):
+    """(out, ref_out, ref_pool): the triton prefill into ``pool`` (and a NaN-poisoned ``out``;
+    ``segment_tokens`` goes to it alone) and the float64 oracle on a float64 copy of the pool."""
     ref_pool = None if pool is None else pool.double()
     T, HV, V = kw["v"].shape
     out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype)
-    o, _ = _call(mode, kw, state_pool=pool, out=out, **call, **TRITON)
+    o, _ = _call(mode, kw, state_pool=pool, out=out, segment_tokens=segment_tokens, **call, **TRITON)
     ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
     assert o is out
     return o, ref_o, ref_pool
@@ -363,3 +363,59 @@ def test_map_columns_carry_the_segment_map(mode, generator):
     composed_final = zero_final.double() + S0 @ final[:, :, V:].double()
     assert_close(composed_o, ref_o[..., :V], 1e-5)
     assert_close(composed_final, ref_final[:, :, :V], 1e-5, "composed final state")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tokens", [64, 128])
+def test_segments_match_oracle(mode, tokens, generator):
+    """In-card context parallelism forced at small sizes (``segment_tokens``): sequences of 300,
+    1, 0, 200 (padding) and 130 tokens cut into segments of 64 or 128 tokens (five, one, none,
+    four and three segments), transitions computed in parallel and composed; permuted slots,
+    a sequence without an initial state, checkpoints every 64 tokens that fall inside segments.
+    float32 end to end, so the composition must be exact to 1e-5."""
+    lens, slots, has_init = [300, 1, 0, 200, 130], [3, 0, 1, -1, 5], [True, False, True, True, True]
+    shape = dict(H=1, HV=2, K=32, V=32)
+    ckpt = torch.tensor([[10, 11, -1, 12], [-1, -1, -1, -1], [-1, -1, -1, -1], [13, 14, 15, 16], [17, -1, 18, 19]],
+                        dtype=torch.int32)
+    kw = random_inputs(mode, (sum(lens),), **shape, dtype=torch.float32, generator=generator)
+    pool, call = _varlen_case(generator, shape, lens, slots, has_init)
+    pool = torch.cat([pool, torch.full((10, *pool.shape[1:]), float("nan"))])  # room for slots 10..19
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, checkpoint_every=64, checkpoint_indices=ckpt,
+                                   segment_tokens=tokens, **call)
+    assert_close(o, ref_o, 1e-5)
+    assert (o[301:501] == 0).all()
+    _assert_same_writes(pool, ref_pool, 1e-5)
+    assert all(not torch.isnan(pool[s]).any() for s in (10, 11, 12, 17))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_segments_bf16_pool(mode, generator):
+    """Segments with bf16 inputs and a bf16 pool (the composed states stay float32 in between)."""
+    lens, slots, has_init = [260, 70], [2, 0], [True, True]
+    kw = random_inputs(mode, (sum(lens),), **GVA, dtype=torch.bfloat16, generator=generator)
+    pool, call = _varlen_case(generator, GVA, lens, slots, has_init, state_dtype=torch.bfloat16)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, segment_tokens=64, **call)
+    tol = tolerance(torch.bfloat16, torch.bfloat16)
+    assert_close(o, ref_o, tol)
+    _assert_same_writes(pool, ref_pool, tol)
+
+
+@pytest.mark.parametrize("tokens", [-64, 100, 1.5, True])
+def test_segment_tokens_must_be_chunk_multiples(tokens, generator):
+    kw = random_inputs("gdn", (70,), **GVA, dtype=torch.float32, generator=generator)
+    with pytest.raises(ValueError, match="segment_tokens"):
+        _call("gdn", kw, cu_seqlens=_cu([70]), segment_tokens=tokens, **TRITON)
+
+
+def test_segment_rule_follows_the_shapes():
+    """Segments only where the unsegmented state pass leaves SMs idle and sequences are long
+    (132 SMs, the H200's; value heads and V of the model shapes)."""
+    from cula_serve.kernels.common.segments import segment_tokens
+
+    rule = lambda T, N, HV, sms=132, least=1024: segment_tokens(T, N, HV, 128, sms, least)  # noqa: E731
+    assert rule(4 * 8192, 4, 32) == 0  # 256 programs already
+    assert rule(2048, 1, 32) == 0  # too short to cut in four
+    assert rule(8192, 1, 8) == 1024  # TP4 shard: 16 programs; 17 segments wanted, 1024 the least
+    assert rule(32768, 1, 32) == 6592  # 64 programs: 5 segments
+    assert rule(32768, 1, 32, sms=0) == 0  # not a GPU
+    assert segment_tokens(8192, 1, 16, 128, 132, 256) == 960

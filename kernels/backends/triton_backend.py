@@ -13,7 +13,7 @@ reference. Decode, verify and commit never synchronise with the host and branch 
 so they can be captured in CUDA graphs. The kernels take the backend's inputs as they come
 (strided views of a fused projection included; only tensors whose innermost dim is strided are
 copied); the pool may be strided in its slot dim (paged engines), its [HV, V, K] dims must be
-contiguous. This backend takes no backend-specific keyword arguments.
+contiguous. Prefill takes one backend-specific keyword, ``segment_tokens`` (``prefill``).
 """
 from __future__ import annotations
 
@@ -74,20 +74,21 @@ def native_map_columns(recipe) -> bool:
 
 
 def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state,
-            out, checkpoint_every=None, checkpoint_indices=None, map_columns=0, **kwargs):
+            out, checkpoint_every=None, checkpoint_indices=None, map_columns=0, segment_tokens=None, **kwargs):
     """Chunked prefill of a packed varlen batch; arguments as for the torch backend's ``prefill``,
-    plus ``map_columns`` for the delta rule (see ``delta_rule_prefill``)."""
+    plus ``map_columns`` for the delta rule (see ``delta_rule_prefill``) and ``segment_tokens``:
+    None (the default) cuts long sequences into segments that run in parallel where the shapes
+    would leave SMs idle, 0 never does, a multiple of 64 forces that length
+    (``kernels.common.segments``)."""
     _no_options("prefill", kwargs)
+    common = dict(cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices,
+                  has_initial_state=has_initial_state, out=out, checkpoint_every=checkpoint_every,
+                  checkpoint_indices=checkpoint_indices, segment_tokens=segment_tokens)
     if recipe.delta_rule:
         from ..delta_rule.chunk_triton import delta_rule_prefill
-        return delta_rule_prefill(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool,
-                                  state_indices=state_indices, has_initial_state=has_initial_state, out=out,
-                                  checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
-                                  map_columns=map_columns)
+        return delta_rule_prefill(recipe, q, k, v, g, beta, map_columns=map_columns, **common)
     from ..lightning.chunk_triton import lightning_prefill
-    return lightning_prefill(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool,
-                             state_indices=state_indices, has_initial_state=has_initial_state, out=out,
-                             checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices)
+    return lightning_prefill(recipe, q, k, v, g, beta, **common)
 
 
 def decode(recipe, q, k, v, g, beta, *, state_pool, state_indices, out, **kwargs):

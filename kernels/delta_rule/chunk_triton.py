@@ -41,6 +41,11 @@ Launches per call: four for GDN, five for KDA.
    workspace round trip of exp(G) Q and exp(G_C - G) K), reads W, U~, P and applies the four
    products above. The state goes to memory only at the end (the pool slot) and at requested
    checkpoints; FLA's chunk_h writes every chunk's state, this never does.
+   Where one long sequence (or a shard with few heads) would leave SMs idle, the sequences are
+   cut into segments (``kernels.common.segments``): the same kernel first computes every
+   segment's state map with K map columns and no outputs, a small kernel composes them, and the
+   kernel then runs per segment with outputs. Three more launches, about twice the state pass's
+   products, all SMs busy.
 
 Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
 workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2;
@@ -100,6 +105,8 @@ import triton.language as tl
 
 from ..common.chunking import CHUNK_SIZE
 from ..common.prep import L2NORM_EPS, Recipe
+from ..common import segments
+from ..common.segments import segment_span
 from ..common.varlen import chunk_indices, max_chunks
 
 SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
@@ -108,6 +115,8 @@ EPS = tl.constexpr(L2NORM_EPS)
 FACTOR_SPAN = 80.0
 MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
 WU_TILE = 32  # columns of W and U~ per product in the W / U~ kernel
+# Segments shorter than this do not pay for their composition step (a [V, K] x [K, K] product)
+SEGMENT_MIN_TOKENS = 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,24 +578,38 @@ def _delta_wu_kernel(
 def _delta_state_kernel(
     q, k, g, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
+    num_seqs, segment_tokens, initial,
     W_ws, U_ws, P_ws, out, pool,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk,
-    s_ot, s_oh, s_ov, s_ps, s_ph, s_pv, s_pk, s_cn, s_cj,
+    s_ot, s_oh, s_ov, s_ps, s_ph, s_pv, s_pk, s_cn, s_cj, s_in, s_ih, s_iv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_VALUES: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     HAS_SLOTS: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_CKPT: tl.constexpr,
+    SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
     PREC_FAST: tl.constexpr, PREC_ACC: tl.constexpr,
 ):
-    """One (sequence, value head, V tile): S0 from the pool, then per chunk
+    """One (sequence or segment, value head, V tile): S0, then per chunk
     U = U~ - W S, O = scale (exp(G) Q) S + P U, S = exp(G_C) S + (exp(G_C - G) K)^T U.
-    State columns from V_VALUES to V have zero values (U~ = 0): the state-map columns."""
-    n = tl.program_id(0)
+    State columns from V_VALUES to V have zero values (U~ = 0): the state-map columns.
+
+    Not SEGMENTED: program 0 is a sequence, S0 from the pool, the final state to the pool.
+    SEGMENTED (``kernels.common.segments``): program 0 is a segment of ``segment_tokens``. With
+    TRANSITION, every segment but its sequence's last computes its map: S0 is the pool state
+    (first segment, value columns only) or [0 | I] (the rest), no outputs, the final state goes
+    to ``initial`` [segments, HV, V, K] (the transitions buffer). Without, S0 is the pool state
+    (first segment) or ``initial`` (the composed states), the last segment writes the pool."""
+    pid = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // GROUP
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    if SEGMENTED:
+        live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, pid, segment_tokens)
+    else:
+        n = pid
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        live, seq_bos, first, last = True, bos, True, True
     ko = tl.arange(0, BK)
     vo = tl.program_id(2) * BV + tl.arange(0, BV)
     kmask = ko < K
@@ -597,21 +620,34 @@ def _delta_state_kernel(
         slot = tl.load(state_indices + n).to(tl.int64)
     else:
         slot = n.to(tl.int64)
-    if slot < 0:
-        # padding: zero output rows, the pool is neither read nor written
-        for t0 in range(bos, eos, C):
-            tok = t0 + rows
-            tl.store(out + tok[:, None] * s_ot, tl.zeros([C, BV], dtype=out.dtype.element_ty),
-                     mask=(tok < eos)[:, None] & vmask[None, :])
+    if TRANSITION:
+        # a sequence's last segment needs no map, a first one no map columns (its D starts from
+        # the pool state)
+        live = live & (slot >= 0) & (last == 0) & ((first == 0) | (tl.program_id(2) * BV < V_VALUES))
     else:
+        if live & (slot < 0):
+            # padding: zero output rows, the pool is neither read nor written
+            for t0 in range(bos, eos, C):
+                tok = t0 + rows
+                tl.store(out + tok[:, None] * s_ot, tl.zeros([C, BV], dtype=out.dtype.element_ty),
+                         mask=(tok < eos)[:, None] & vmask[None, :])
+        live = live & (slot >= 0)
+    if live:
         state_mask = kmask[:, None] & vmask[None, :]
         state_offs = hv * s_ph + vo[None, :] * s_pv + ko[:, None] * s_pk  # S[k, v] = pool[slot, hv, v, k]
+        initial_offs = pid.to(tl.int64) * s_in + hv * s_ih + vo[None, :] * s_iv + ko[:, None]
         S = tl.zeros([BK, BV], dtype=tl.float32)
-        if HAS_POOL:
-            read = state_mask
-            if HAS_INIT_FLAGS:
-                read = read & (tl.load(has_initial_state + n) != 0)
-            S = tl.load(pool + slot * s_ps + state_offs, mask=read, other=0.0).to(tl.float32)
+        if first:
+            if HAS_POOL:
+                # with TRANSITION the pool holds the value columns only
+                read = kmask[:, None] & (vo < (V_VALUES if TRANSITION else V))[None, :]
+                if HAS_INIT_FLAGS:
+                    read = read & (tl.load(has_initial_state + n) != 0)
+                S = tl.load(pool + slot * s_ps + state_offs, mask=read, other=0.0).to(tl.float32)
+        elif TRANSITION:
+            S = tl.where(vo[None, :] - V_VALUES == ko[:, None], 1.0, 0.0)
+        else:
+            S = tl.load(initial + initial_offs, mask=state_mask, other=0.0).to(tl.float32)
         q += h * s_qh
         k += h * s_kh
         g += hv * s_gh
@@ -638,17 +674,18 @@ def _delta_state_kernel(
                         other=0.0)
             U -= _dot(Wc, S, PREC_FAST)
 
-            # O = scale (exp(G) Q) S + P U
-            qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
-            if PER_CHANNEL:
-                q_dec = qq.to(tl.float32) * (_inv_norm(qq, QK_L2NORM)[:, None] * scale * tl.exp(G))
-                o = _dot(q_dec, S, PREC_FAST)
-            else:
-                o = _dot(qq, S, PREC_FAST) * (_inv_norm(qq, QK_L2NORM) * scale * tl.exp(G.to(tl.float32)))[:, None]
-            Pc = tl.load(P_ws + ws_row * C + rows[None, :], mask=rmask[:, None] & (rows[None, :] <= rows[:, None]),
-                         other=0.0)
-            o += _dot(Pc, U, PREC_ACC)
-            tl.store(out + tok[:, None] * s_ot, o.to(out.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
+            if not TRANSITION:
+                # O = scale (exp(G) Q) S + P U
+                qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
+                if PER_CHANNEL:
+                    q_dec = qq.to(tl.float32) * (_inv_norm(qq, QK_L2NORM)[:, None] * scale * tl.exp(G))
+                    o = _dot(q_dec, S, PREC_FAST)
+                else:
+                    o = _dot(qq, S, PREC_FAST) * (_inv_norm(qq, QK_L2NORM) * scale * tl.exp(G.to(tl.float32)))[:, None]
+                Pc = tl.load(P_ws + ws_row * C + rows[None, :], mask=rmask[:, None] & (rows[None, :] <= rows[:, None]),
+                             other=0.0)
+                o += _dot(Pc, U, PREC_ACC)
+                tl.store(out + tok[:, None] * s_ot, o.to(out.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
 
             # S = exp(G_C) S + (exp(G_C - G) K)^T U
             kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
@@ -659,15 +696,18 @@ def _delta_state_kernel(
                 U_dec = U * (_inv_norm(kk, QK_L2NORM) * tl.exp(G_after.to(tl.float32)))[:, None]
                 S = S * tl.exp(G_end.to(tl.float32)) + _dot(tl.trans(kk), U_dec, PREC_ACC)
 
-            if HAS_CKPT:
-                # the state after (j + 1) * checkpoint_every tokens, at full chunk ends only
-                done = t0 + C - bos
+            if HAS_CKPT and not TRANSITION:
+                # the state after (j + 1) * checkpoint_every tokens of the sequence, at full chunk ends only
+                done = t0 + C - seq_bos
                 j = done // checkpoint_every - 1
                 due = (done % checkpoint_every == 0) & (t0 + C <= eos) & (j < num_checkpoints)
                 ck = tl.load(checkpoint_indices + n * s_cn + j * s_cj, mask=due, other=-1).to(tl.int64)
                 tl.store(pool + ck * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask & (ck >= 0))
-        if HAS_POOL:
-            tl.store(pool + slot * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask)
+        if TRANSITION:
+            tl.store(initial + initial_offs, S, mask=state_mask)
+        elif HAS_POOL:
+            if last:
+                tl.store(pool + slot * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -730,8 +770,20 @@ def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: 
     return dict(BV=BV, num_warps=4, num_stages=2 if one_wave else 1)
 
 
+def _segment_tokens(T, N, HV, K, V, num_sms, map_columns, requested):
+    """Segment length of the state pass (``kernels.common.segments``), 0 for none. Not with map
+    columns (the state is widened already) or where the transitions' V + K columns exceed the
+    state kernel's head dims."""
+    if map_columns or V + K > MAX_HEAD_DIM:
+        if requested:
+            raise ValueError(f"segment_tokens: not with map_columns or V + K > {MAX_HEAD_DIM} (K={K}, V={V})")
+        return 0
+    return segments.segment_tokens(T, N, HV, V, num_sms, SEGMENT_MIN_TOKENS, requested)
+
+
 def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
-                       has_initial_state, out, checkpoint_every=None, checkpoint_indices=None, map_columns=0):
+                       has_initial_state, out, checkpoint_every=None, checkpoint_indices=None, map_columns=0,
+                       segment_tokens=None):
     """Chunked prefill of GDN / KDA over a packed varlen batch (``torch_backend.prefill`` semantics).
 
     q, k:   [T, H, K] bf16 / fp16 / fp32, any strides (raw if ``recipe.qk_l2norm``).
@@ -753,6 +805,9 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
             zero values. Started from the identity there, they carry the segment's affine state
             map (context parallelism, ``cula_serve.dist.cp``) at the cost of wider state tiles
             only: the intra-chunk and W / U~ kernels and their workspace see the V value columns alone.
+    segment_tokens: None (decided from the shapes), 0 (never) or a multiple of 64: the length of
+            the segments that long sequences are cut into for the state pass, which then runs
+            them in parallel and composes their state maps (``kernels.common.segments``).
     K, V + map_columns <= 256. Returns ``out``.
     """
     if recipe.mode not in ("gdn", "kda"):
@@ -816,17 +871,39 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **common)
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-    launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
-    BV = launch["BV"]
     has_pool = state_pool is not None
     ckpt = checkpoint_indices if has_pool and checkpoint_every else None
-    _delta_state_kernel[(N, HV, triton.cdiv(V_state, BV))](
+    state_args = (
         q, k, g, A_log, dt_bias, lower_bound, recipe.scale,
         cu_seqlens, slots, has_initial_state if has_initial_state is not None else dummy_i32,
-        ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0,
-        W_ws, U_ws, P_ws, out, state_pool if has_pool else U_ws,
-        *q.stride(), *k.stride(), *g.stride(), *out.stride(),
-        *(state_pool.stride() if has_pool else (0, 0, 0, 0)), *(ckpt.stride() if ckpt is not None else (0, 0)),
-        HAS_POOL=has_pool, HAS_INIT_FLAGS=has_pool and has_initial_state is not None,
-        HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"], V=V_state, V_VALUES=V, **launch, **common)
+        ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0)
+    pool_args = (W_ws, U_ws, P_ws, out, state_pool if has_pool else U_ws,
+                 *q.stride(), *k.stride(), *g.stride(), *out.stride(),
+                 *(state_pool.stride() if has_pool else (0, 0, 0, 0)),
+                 *(ckpt.stride() if ckpt is not None else (0, 0)))
+    flags = dict(HAS_POOL=has_pool, HAS_INIT_FLAGS=has_pool and has_initial_state is not None,
+                 HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"], **common)
+
+    launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
+    tokens = _segment_tokens(T, N, HV, K, V, num_sms, map_columns, segment_tokens)
+    if not tokens:
+        _delta_state_kernel[(N, HV, triton.cdiv(V_state, launch["BV"]))](
+            *state_args, N, 0, U_ws, *pool_args, 0, 0, 0,
+            V=V_state, V_VALUES=V, SEGMENTED=False, TRANSITION=False, **launch, **flags)
+        return out
+
+    # in-card context parallelism (kernels/common/segments.py): transitions, composition, outputs
+    num_ids = segments.num_segment_ids(T, N, tokens)
+    transitions = torch.empty(num_ids, HV, V + K, K, dtype=torch.float32, device=device)
+    launch = sequential_config(BK, V + K, prec["PREC_FAST"], heads=num_ids * HV, num_sms=num_sms)
+    _delta_state_kernel[(num_ids, HV, triton.cdiv(V + K, launch["BV"]))](
+        *state_args, N, tokens, transitions, *pool_args, *transitions.stride()[:3],
+        V=V + K, V_VALUES=V, SEGMENTED=True, TRANSITION=True, **launch, **flags)
+    initial = torch.empty(num_ids, HV, V, K, dtype=torch.float32, device=device)
+    segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial,
+                                    tokens=tokens, V=V)
+    launch = sequential_config(BK, V, prec["PREC_FAST"], heads=num_ids * HV, num_sms=num_sms)
+    _delta_state_kernel[(num_ids, HV, triton.cdiv(V, launch["BV"]))](
+        *state_args, N, tokens, initial, *pool_args, *initial.stride()[:3],
+        V=V, V_VALUES=V, SEGMENTED=True, TRANSITION=False, **launch, **flags)
     return out

@@ -12,7 +12,10 @@ per (sequence, value head, V tile), grid (N, HV, V / BV), walks its chunks with 
 S [K, BV] in float32 registers and does four products per chunk (Q K^T, Q S, (Q K^T) V, K^T V).
 Every input byte is read once per V tile (q and k once per tile, from L2 after the first),
 o is written once, and the state touches memory only at the start, the end and at requested
-checkpoints. Launches per call: one.
+checkpoints. Launches per call: one; where one long sequence (or a shard with few heads) would
+leave SMs idle, three: the segments' final states from zero in parallel, their composition
+(Lightning's segment map is the scalar exp(d L)) and the output pass per segment
+(``kernels.common.segments``).
 
 All decays are exp of d times a token distance (t - s >= 0, t + 1, L - 1 - s >= 0): exact, never
 above 1, with no cumulative sums to cancel.
@@ -31,29 +34,48 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import CHUNK_SIZE
+from ..common import segments
 from ..common.prep import Recipe
+from ..common.segments import segment_span
 from ..delta_rule.chunk_triton import MAX_HEAD_DIM, _dot, _inv_norm, _load_rows, precisions, sequential_config
+
+# Lightning's composition step is one multiply-add per state element: short segments pay
+SEGMENT_MIN_TOKENS = 256
 
 
 @triton.jit
 def _lightning_kernel(
     q, k, v, decay, scale,
     cu_seqlens, state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
+    num_seqs, segment_tokens, initial,
     out, pool,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_ot, s_oh, s_ov,
-    s_ps, s_ph, s_pv, s_pk, s_cn, s_cj,
+    s_ps, s_ph, s_pv, s_pk, s_cn, s_cj, s_in, s_ih, s_iv,
     GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, QK_L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_CKPT: tl.constexpr,
+    SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
     PREC_IN: tl.constexpr, PREC_FAST: tl.constexpr, PREC_ACC: tl.constexpr,
 ):
-    """One (sequence, value head, V tile): S0 from the pool, then per chunk the output and the
-    state update of the module docstring."""
-    n = tl.program_id(0)
+    """One (sequence or segment, value head, V tile): S0, then per chunk the output and the
+    state update of the module docstring.
+
+    Not SEGMENTED: program 0 is a sequence, S0 from the pool, the final state to the pool.
+    SEGMENTED (``kernels.common.segments``): program 0 is a segment of ``segment_tokens``. With
+    TRANSITION, every segment but its sequence's last computes D, its final state from the pool
+    state (first segment) or from zeros, with no outputs, into ``initial`` [segments, HV, V, K].
+    Without, S0 is the pool state (first segment) or ``initial`` (the composed states), and the
+    last segment writes the pool."""
+    pid = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // GROUP
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    if SEGMENTED:
+        live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, pid, segment_tokens)
+    else:
+        n = pid
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        live, seq_bos, first, last = True, bos, True, True
     ko = tl.arange(0, BK)
     vo = tl.program_id(2) * BV + tl.arange(0, BV)
     kmask = ko < K
@@ -64,21 +86,29 @@ def _lightning_kernel(
         slot = tl.load(state_indices + n).to(tl.int64)
     else:
         slot = n.to(tl.int64)
-    if slot < 0:
-        # padding: zero output rows, the pool is neither read nor written
-        for t0 in range(bos, eos, C):
-            tok = t0 + rows
-            tl.store(out + tok[:, None] * s_ot, tl.zeros([C, BV], dtype=out.dtype.element_ty),
-                     mask=(tok < eos)[:, None] & vmask[None, :])
+    if TRANSITION:
+        live = live & (slot >= 0) & (last == 0)  # a sequence's last segment needs no transition
     else:
+        if live & (slot < 0):
+            # padding: zero output rows, the pool is neither read nor written
+            for t0 in range(bos, eos, C):
+                tok = t0 + rows
+                tl.store(out + tok[:, None] * s_ot, tl.zeros([C, BV], dtype=out.dtype.element_ty),
+                         mask=(tok < eos)[:, None] & vmask[None, :])
+        live = live & (slot >= 0)
+    if live:
         state_mask = kmask[:, None] & vmask[None, :]
         state_offs = hv * s_ph + vo[None, :] * s_pv + ko[:, None] * s_pk  # S[k, v] = pool[slot, hv, v, k]
+        initial_offs = pid.to(tl.int64) * s_in + hv * s_ih + vo[None, :] * s_iv + ko[:, None]
         S = tl.zeros([BK, BV], dtype=tl.float32)
-        if HAS_POOL:
-            read = state_mask
-            if HAS_INIT_FLAGS:
-                read = read & (tl.load(has_initial_state + n) != 0)
-            S = tl.load(pool + slot * s_ps + state_offs, mask=read, other=0.0).to(tl.float32)
+        if first:
+            if HAS_POOL:
+                read = state_mask
+                if HAS_INIT_FLAGS:
+                    read = read & (tl.load(has_initial_state + n) != 0)
+                S = tl.load(pool + slot * s_ps + state_offs, mask=read, other=0.0).to(tl.float32)
+        elif not TRANSITION:
+            S = tl.load(initial + initial_offs, mask=state_mask, other=0.0).to(tl.float32)
         q += h * s_qh
         k += h * s_kh
         v += hv * s_vh
@@ -92,30 +122,34 @@ def _lightning_kernel(
             tok = t0 + rows
             rmask = tok < eos
             L = tl.minimum(eos - t0, C).to(tl.float32)
-            qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
             kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
             vv = tl.load(v + tok[:, None] * s_vt + vo[None, :] * s_vv, mask=rmask[:, None] & vmask[None, :], other=0.0)
-            rq = _inv_norm(qq, QK_L2NORM) * scale
             rk = _inv_norm(kk, QK_L2NORM)
-            A = _dot(qq, tl.trans(kk), PREC_IN) * (D * rq[:, None] * rk[None, :])
-            o = _dot(qq, S, PREC_FAST) * (rq * tl.exp((t + 1.0) * d))[:, None] + _dot(A, vv, PREC_FAST)
-            tl.store(out + tok[:, None] * s_ot, o.to(out.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
+            if not TRANSITION:
+                qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
+                rq = _inv_norm(qq, QK_L2NORM) * scale
+                A = _dot(qq, tl.trans(kk), PREC_IN) * (D * rq[:, None] * rk[None, :])
+                o = _dot(qq, S, PREC_FAST) * (rq * tl.exp((t + 1.0) * d))[:, None] + _dot(A, vv, PREC_FAST)
+                tl.store(out + tok[:, None] * s_ot, o.to(out.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
             # distances clamped at 0: rows past L hold zero k and v, and must not overflow to inf * 0
             v_dec = vv.to(tl.float32) * (rk * tl.exp(tl.maximum(L - 1.0 - t, 0.0) * d))[:, None]
             S = S * tl.exp(L * d) + _dot(tl.trans(kk), v_dec, PREC_ACC)
-            if HAS_CKPT:
-                # the state after (j + 1) * checkpoint_every tokens, at full chunk ends only
-                done = t0 + C - bos
+            if HAS_CKPT and not TRANSITION:
+                # the state after (j + 1) * checkpoint_every tokens of the sequence, at full chunk ends only
+                done = t0 + C - seq_bos
                 j = done // checkpoint_every - 1
                 due = (done % checkpoint_every == 0) & (t0 + C <= eos) & (j < num_checkpoints)
                 ck = tl.load(checkpoint_indices + n * s_cn + j * s_cj, mask=due, other=-1).to(tl.int64)
                 tl.store(pool + ck * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask & (ck >= 0))
-        if HAS_POOL:
-            tl.store(pool + slot * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask)
+        if TRANSITION:
+            tl.store(initial + initial_offs, S, mask=state_mask)
+        elif HAS_POOL:
+            if last:
+                tl.store(pool + slot * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask)
 
 
 def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
-                      has_initial_state, out, checkpoint_every=None, checkpoint_indices=None):
+                      has_initial_state, out, checkpoint_every=None, checkpoint_indices=None, segment_tokens=None):
     """Chunked prefill of Lightning attention over a packed varlen batch
     (``torch_backend.prefill`` semantics).
 
@@ -123,7 +157,8 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     v:      [T, HV, V], q's dtype; HV a multiple of H (value head hv reads qk head hv // (HV // H)).
     g:      [HV], the per-head log decay d <= 0 (float32 / bf16). beta: None.
     cu_seqlens, state_pool, state_indices, has_initial_state, out, checkpoint_every,
-    checkpoint_indices: as for ``kernels.delta_rule.chunk_triton.delta_rule_prefill``.
+    checkpoint_indices, segment_tokens: as for ``kernels.delta_rule.chunk_triton.delta_rule_prefill``
+            (Lightning's segment map is the scalar exp(d * segment_tokens): no map columns).
     K, V <= 256. Returns ``out``.
     """
     if recipe.mode != "lightning":
@@ -141,20 +176,37 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     device = q.device
     BK = max(triton.next_power_of_2(K), 16)
     prec = precisions(q.dtype)
-    launch = sequential_config(BK, V, prec["PREC_FAST"])
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     dummy_i32 = torch.empty(1, dtype=torch.int32, device=device)
     has_pool = state_pool is not None
     ckpt = checkpoint_indices if has_pool and checkpoint_every else None
-    _lightning_kernel[(N, HV, triton.cdiv(V, launch["BV"]))](
-        q, k, v, g, recipe.scale,
-        cu_seqlens, state_indices if state_indices is not None else dummy_i32,
-        has_initial_state if has_initial_state is not None else dummy_i32,
-        ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0,
-        out, state_pool if has_pool else out,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *(state_pool.stride() if has_pool else (0, 0, 0, 0)), *(ckpt.stride() if ckpt is not None else (0, 0)),
-        GROUP=HV // H, K=K, V=V, BK=BK, C=C, QK_L2NORM=recipe.qk_l2norm,
-        HAS_SLOTS=state_indices is not None, HAS_POOL=has_pool,
-        HAS_INIT_FLAGS=has_pool and has_initial_state is not None, HAS_CKPT=ckpt is not None,
-        **launch, **prec)
+    args = (q, k, v, g, recipe.scale,
+            cu_seqlens, state_indices if state_indices is not None else dummy_i32,
+            has_initial_state if has_initial_state is not None else dummy_i32,
+            ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0)
+    tail = (out, state_pool if has_pool else out,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *(state_pool.stride() if has_pool else (0, 0, 0, 0)), *(ckpt.stride() if ckpt is not None else (0, 0)))
+    flags = dict(GROUP=HV // H, K=K, V=V, BK=BK, C=C, QK_L2NORM=recipe.qk_l2norm,
+                 HAS_SLOTS=state_indices is not None, HAS_POOL=has_pool,
+                 HAS_INIT_FLAGS=has_pool and has_initial_state is not None, HAS_CKPT=ckpt is not None, **prec)
+
+    launch = sequential_config(BK, V, prec["PREC_FAST"])
+    tokens = segments.segment_tokens(T, N, HV, V, num_sms, SEGMENT_MIN_TOKENS, segment_tokens)
+    if not tokens:
+        _lightning_kernel[(N, HV, triton.cdiv(V, launch["BV"]))](
+            *args, N, 0, out, *tail, 0, 0, 0, SEGMENTED=False, TRANSITION=False, **launch, **flags)
+        return out
+
+    # in-card context parallelism (kernels/common/segments.py): transitions, composition, outputs
+    num_ids = segments.num_segment_ids(T, N, tokens)
+    grid = (num_ids, HV, triton.cdiv(V, launch["BV"]))
+    transitions = torch.empty(num_ids, HV, V, K, dtype=torch.float32, device=device)
+    _lightning_kernel[grid](*args, N, tokens, transitions, *tail, *transitions.stride()[:3],
+                            SEGMENTED=True, TRANSITION=True, **launch, **flags)
+    initial = torch.empty_like(transitions)
+    segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial,
+                                    tokens=tokens, V=V, decay=g)
+    _lightning_kernel[grid](*args, N, tokens, initial, *tail, *initial.stride()[:3],
+                            SEGMENTED=True, TRANSITION=False, **launch, **flags)
     return out

@@ -63,13 +63,13 @@ def _call(mode, kw, **call):
     return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **call)
 
 
-def _run_both(mode, kw, pool, **call):
-    """(out, ref_out, ref_pool): the triton prefill (into ``pool`` and a NaN-poisoned ``out``)
-    and the float64 oracle on a float64 copy of the pool."""
+def _run_both(mode, kw, pool, segment_tokens=None, **call):
+    """(out, ref_out, ref_pool): the triton prefill (into ``pool`` and a NaN-poisoned ``out``;
+    ``segment_tokens`` goes to it alone) and the float64 oracle on a float64 copy of the pool."""
     ref_pool = None if pool is None else pool.double()
     T, HV, V = kw["v"].shape
     out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype, device=DEVICE)
-    o, _ = _call(mode, kw, state_pool=pool, out=out, **call, **TRITON)
+    o, _ = _call(mode, kw, state_pool=pool, out=out, segment_tokens=segment_tokens, **call, **TRITON)
     ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
     assert o is out
     return o, ref_o, ref_pool
@@ -109,6 +109,30 @@ def test_long_sequence(mode, input_dtype, state_dtype):
     o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, has_init))
     tol = tolerance(input_dtype, state_dtype)
     assert_close(o, ref_o, tol)
+    _assert_same_writes(pool, ref_pool, tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("input_dtype,state_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("tokens", [None, 512], ids=["auto", "512"])
+def test_segments(mode, input_dtype, state_dtype, tokens):
+    """In-card context parallelism (``segment_tokens``): sequences of 4133, 5, 2000 (padding),
+    1500 (from zeros) and 700 tokens at the model shapes, cut into segments chosen from the
+    shapes (auto: these few sequences leave SMs idle) or of 512 tokens; checkpoints every 128
+    tokens land inside segments; the composed states and outputs against the oracle."""
+    lens, slots, has_init = [4133, 5, 2000, 1500, 700], [3, 1, -1, 6, 0], [True, True, True, False, True]
+    M = 33
+    ckpt = torch.full((len(lens), M), -1, dtype=torch.int32)
+    ckpt[0] = torch.arange(7, 7 + M)
+    ckpt[4, :5] = torch.arange(40, 45)
+    ckpt[0, 3] = -1
+    kw = _inputs(mode, sum(lens), input_dtype, seed=30)
+    pool = _pool(mode, state_dtype, [3, 1, 0], seed=31, size=7 + M + 5)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, checkpoint_every=128, checkpoint_indices=ckpt.to(DEVICE),
+                                   segment_tokens=tokens, **_varlen_call(lens, slots, has_init))
+    tol = tolerance(input_dtype, state_dtype)
+    assert_close(o, ref_o, tol)
+    assert (o[sum(lens[:2]):sum(lens[:3])] == 0).all()
     _assert_same_writes(pool, ref_pool, tol)
 
 
@@ -199,9 +223,11 @@ def test_strided_inputs_and_pool(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_graph_prefill(mode):
+@pytest.mark.parametrize("tokens", [0, 256], ids=["whole", "segments"])
+def test_cuda_graph_prefill(mode, tokens):
     """Captured once (any host synchronisation would fail the capture), replayed with new inputs,
-    lengths and slots of the same token count: equals an eager call."""
+    lengths and slots of the same token count: equals an eager call. With segments of 256 tokens
+    the replay's lengths give a sequence the capture's split differently."""
     T = 600
     static = _inputs(mode, T, torch.bfloat16, seed=14)
     cu = _cu([300, 200, 100])
@@ -210,7 +236,8 @@ def test_cuda_graph_prefill(mode):
     out = torch.empty(T, *static["v"].shape[1:], dtype=torch.bfloat16, device=DEVICE)
 
     def prefill():
-        return _call(mode, static, cu_seqlens=cu, state_pool=pool, state_indices=slots, out=out, **TRITON)
+        return _call(mode, static, cu_seqlens=cu, state_pool=pool, state_indices=slots, out=out,
+                     segment_tokens=tokens, **TRITON)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -230,7 +257,8 @@ def test_cuda_graph_prefill(mode):
     eager_pool = pool.clone()
     graph.replay()
     eager_out = torch.empty_like(out)
-    _call(mode, static, cu_seqlens=cu, state_pool=eager_pool, state_indices=slots, out=eager_out, **TRITON)
+    _call(mode, static, cu_seqlens=cu, state_pool=eager_pool, state_indices=slots, out=eager_out,
+          segment_tokens=tokens, **TRITON)
     torch.cuda.synchronize()
     assert torch.equal(out, eager_out)
     assert torch.equal(pool.nan_to_num(), eager_pool.nan_to_num())

@@ -1,0 +1,188 @@
+"""In-card context parallelism: long sequences cut into segments that run on the SMs in parallel.
+
+A chunked prefill walks each sequence's chunks in order, one program per (sequence, value head,
+V tile), because every chunk needs the state the chunk before it left. One long sequence (or a
+tensor-parallel shard with few heads) then gives the GPU a few dozen programs and leaves most
+SMs idle. The fix is exact, not an approximation (DESIGN section 5): a segment maps the state it
+receives affinely,
+
+    S_out = A S_in + D          S [K, V]; D the segment's final state from a zero start;
+                                A [K, K] for the delta rule, exp(d L) I for Lightning (L tokens)
+
+so the segments' (A, D) can be computed in parallel and composed afterwards. Three launches:
+
+1. Transitions, grid (segment, value head, state tile), all segments but each sequence's last:
+   the prefill's state pass without outputs. A first segment starts from its pool state, so its
+   D already carries it (no A needed). Any other segment starts from [0 | I]: the delta rule's
+   state widened by K columns that start as the identity and see zero values (the map columns of
+   ``kernels.delta_rule.chunk_triton``), which end as A^T; Lightning's A is a known scalar.
+   Results go to ``transitions`` [segments, HV, V (+ K), K], K-last like the pool.
+2. Composition, ``compose_initial_states``, grid (sequence, value head, V tile): the serial part,
+   one small step per segment, S_{j+1} = A_j S_j + D_j (S_1 = D_0), into ``initial``
+   [segments, HV, V, K]. In K-last rows X = S^T this reads X_{j+1} = X_j A_j^T + D_j^T, and the
+   map columns hold exactly A_j^T: one [BV, K] x [K, K] product per step.
+3. The prefill's ordinary state pass with outputs, grid (segment, value head, V tile), each
+   segment from its pool state (first) or its composed initial state; the last writes the pool,
+   every segment writes the checkpoints that fall inside it.
+
+The work of the state pass roughly doubles for the delta rule (its transitions carry K more
+columns) and grows by a quarter for Lightning (one product of four); it pays where the
+unsegmented pass would leave SMs idle, which ``segment_tokens`` decides from shapes alone.
+
+Segments are ``segment_tokens`` long (a multiple of the chunk size, so chunk boundaries and
+checkpoints fall where they fall without segments), the last one of a sequence shorter. Segment
+ids follow the packed order (sequence 0's segments first); every program finds its own from
+``cu_seqlens`` (``segment_span``), so the grid is sized by the bound T // segment_tokens + N and
+nothing is computed on the host or in extra launches: a short prefill is host-bound, and on an
+H200 a table launch plus a few torch ops per call doubled the eager time of GDN 1 x 2048.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunking import CHUNK_SIZE
+from .varlen import max_chunks
+
+# The state passes' programs cover (sequence or segment, value head, 64 state columns). On an
+# H200 (bench sweeps of the segment length) they ran best with one or two per SM: GDN 4 x 8192
+# (256 programs) unsegmented, 2.58 ns per token-head against 2.88-4.80 cut into 4096- to
+# 256-token segments; a TP4 shard of 1 x 8192 (16 programs) 11.25 -> 7.5-8.2 with 512- to
+# 2048-token segments; 1 x 32768 (64 programs) 3.89 -> 3.50 with 8192. Cutting a 2048-token
+# sequence lost (4.27 -> 8.1-8.5: three more launches for little work).
+PROGRAMS_PER_SM = 2
+MIN_SEGMENTS_PER_SEQUENCE = 4
+
+
+def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_sms: int, min_tokens: int,
+                   requested: int | None = None) -> int:
+    """Tokens per segment, or 0 for no segments, from shapes alone (no host synchronisation).
+
+    num_tokens, num_seqs: the packed batch. num_heads, V: value heads and state columns (the
+    state pass runs one program per 64 of them). num_sms: the GPU's SMs (0: not a GPU, no
+    segments unless requested). min_tokens: the shortest segment worth its composition step.
+    requested: the caller's choice (0: never; a positive multiple of the chunk size: that
+    length), overriding the rule.
+
+    The rule: segment only when the unsegmented pass would leave SMs without a program, then cut
+    segments so that the batch makes about PROGRAMS_PER_SM programs per SM, and only where the
+    mean sequence holds MIN_SEGMENTS_PER_SEQUENCE segments or more.
+    """
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0 or requested % CHUNK_SIZE:
+            raise ValueError(f"segment_tokens: expected 0 (no segments) or a positive multiple of {CHUNK_SIZE}, "
+                             f"got {requested!r}")
+        return requested
+    per_segment = num_heads * triton.cdiv(V, 64)
+    if not num_sms or num_seqs * per_segment >= num_sms:
+        return 0
+    segments = triton.cdiv(PROGRAMS_PER_SM * num_sms, per_segment)
+    tokens = max(triton.cdiv(triton.cdiv(num_tokens, segments), CHUNK_SIZE) * CHUNK_SIZE, min_tokens)
+    return tokens if num_tokens >= MIN_SEGMENTS_PER_SEQUENCE * tokens * num_seqs else 0
+
+
+def num_segment_ids(num_tokens: int, num_seqs: int, tokens: int) -> int:
+    """Segment ids of a packed batch (an upper bound: ids past the last segment are idle), the
+    grid size of a launch over segments."""
+    return max_chunks(num_tokens, num_seqs, tokens)
+
+
+_SEQ_BLOCK = tl.constexpr(64)
+
+
+@triton.jit
+def _segment_counts(cu_seqlens, n0, num_seqs, tokens):
+    """Sequences n0 .. n0 + 63 (those < num_seqs): their indices and segment counts (0 past the end)."""
+    n = n0 + tl.arange(0, _SEQ_BLOCK)
+    live = n < num_seqs
+    length = tl.load(cu_seqlens + n + 1, mask=live, other=0) - tl.load(cu_seqlens + n, mask=live, other=0)
+    return n, (length + tokens - 1) // tokens
+
+
+@triton.jit
+def segment_span(cu_seqlens, num_seqs, sid, tokens):
+    """Tokens of segment ``sid``: (live, sequence, the sequence's first token, the segment's first
+    token, its end, first segment of its sequence, last segment). Not live: ids past the last
+    segment (then the span is empty). Walks the sequences in blocks: O(N) per program, for the
+    few long sequences that are segmented."""
+    offset = 0  # segments of the sequences before the block
+    seq = -1
+    j = 0
+    for n0 in range(0, num_seqs, _SEQ_BLOCK):
+        n, count = _segment_counts(cu_seqlens, n0, num_seqs, tokens)
+        first = offset + tl.cumsum(count, 0) - count
+        hit = (first <= sid) & (sid < first + count)
+        seq = tl.maximum(seq, tl.max(tl.where(hit, n, -1), 0))
+        j += tl.sum(tl.where(hit, sid - first, 0), 0)
+        offset += tl.sum(count, 0)
+    live = seq >= 0
+    n = tl.maximum(seq, 0)
+    seq_bos = tl.load(cu_seqlens + n).to(tl.int64)
+    seq_eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    bos = seq_bos + j.to(tl.int64) * tokens
+    eos = tl.where(live, tl.minimum(bos + tokens, seq_eos), bos)
+    return live, n, seq_bos, bos, eos, j == 0, eos == seq_eos
+
+
+@triton.jit
+def _compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, decay, tokens,
+                    s_tn, s_th, s_tv, s_in, s_ih, s_iv,
+                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                    MATRIX: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """One (sequence, value head, V tile): X_{j+1} = X_j A_j^T + D_j^T over the sequence's
+    segments (module docstring), rows vo of X = S^T, float32."""
+    n = tl.program_id(0)
+    hv = tl.program_id(1)
+    vo = tl.program_id(2) * BV + tl.arange(0, BV)
+    ko = tl.arange(0, K)
+    vmask = (vo < V)[:, None]
+    length = tl.load(cu_seqlens + n + 1) - tl.load(cu_seqlens + n)
+    count = (length + tokens - 1) // tokens
+    live = count > 1
+    if HAS_SLOTS:
+        live = live & (tl.load(state_indices + n) >= 0)
+    if live:
+        sid = 0  # the id of the sequence's first segment: the segments of the sequences before it
+        for n0 in range(0, n, _SEQ_BLOCK):
+            before, counts = _segment_counts(cu_seqlens, n0, n, tokens)
+            sid += tl.sum(counts, 0)
+        sid = sid.to(tl.int64)
+        transitions += hv * s_th
+        initial += hv * s_ih
+        rows = vo[:, None] * s_tv + ko[None, :]
+        X = tl.load(transitions + sid * s_tn + rows, mask=vmask, other=0.0)  # D_0: from the pool state
+        tl.store(initial + (sid + 1) * s_in + vo[:, None] * s_iv + ko[None, :], X, mask=vmask)
+        if not MATRIX:
+            carry = tl.exp(tl.load(decay + hv).to(tl.float32) * tokens)  # every segment but the last is full
+        for j in range(1, count - 1):
+            base = transitions + (sid + j) * s_tn
+            D = tl.load(base + rows, mask=vmask, other=0.0)
+            if MATRIX:
+                A_t = tl.load(base + (V + ko)[:, None] * s_tv + ko[None, :])  # [K, K]: A_j^T
+                X = tl.dot(X, A_t, input_precision="tf32x3") + D
+            else:
+                X = X * carry + D
+            tl.store(initial + (sid + j + 1) * s_in + vo[:, None] * s_iv + ko[None, :], X, mask=vmask)
+
+
+def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, tokens: int, V: int, decay=None):
+    """Launch 2 of the module docstring: every non-first segment's initial state into ``initial``.
+
+    cu_seqlens: int32 [N + 1]; state_indices: int32 [N] or None (negative: padding, skipped);
+    transitions: float32 [S, HV, V + K, K] (delta rule: D then A^T) or [S, HV, V, K] with
+    ``decay`` [HV] (Lightning: A = exp(decay * tokens)); initial: float32 [S, HV, V, K], written
+    at the non-first segments of live sequences. S = ``num_segment_ids``.
+    """
+    N = cu_seqlens.shape[0] - 1
+    HV, K = initial.shape[1], initial.shape[3]
+    # one stage, 32 rows: the float32 [K, K] map and its tf32x3 halves fill shared memory alone
+    # (three pipelined stages at 64 rows asked for 320 KB on an H200)
+    BV = min(V, 32)
+    matrix = decay is None
+    _compose_kernel[(N, HV, triton.cdiv(V, BV))](
+        cu_seqlens, N, state_indices if state_indices is not None else cu_seqlens, transitions, initial,
+        decay if decay is not None else transitions, tokens,
+        transitions.stride(0), transitions.stride(1), transitions.stride(2),
+        initial.stride(0), initial.stride(1), initial.stride(2),
+        K=K, V=V, BV=BV, MATRIX=matrix, HAS_SLOTS=state_indices is not None, num_warps=4, num_stages=1)
+    return initial
