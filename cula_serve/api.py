@@ -304,7 +304,10 @@ _PREFILL_DOC = """
             written to ``state_pool[checkpoint_indices[n, j]]`` when that index is >= 0;
             checkpoint_every is a positive multiple of 64, checkpoint_indices int [N, M].
         backend: "cute" | "triton" | "torch"; None picks the best available (``CULA_BACKEND`` overrides).
-        **kwargs: forwarded to the backend (the torch backend takes ``algorithm`` and ``compute_dtype``).
+        **kwargs: forwarded to the backend (the torch backend takes ``algorithm`` and ``compute_dtype``;
+            the triton backend ``segment_tokens``: None cuts long sequences into segments run in
+            parallel where the shapes would leave SMs idle, 0 never, a multiple of 64 forces that
+            length; see ``kernels/common/segments.py``).
             ``map_columns=K`` (context parallelism, see ``cula_serve.dist.cp``): the state, the
             pool / initial_state and ``out`` get K more columns than v, whose values are zero;
             started from the identity they carry the affine map of the segment.

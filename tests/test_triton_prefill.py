@@ -409,13 +409,20 @@ def test_segment_tokens_must_be_chunk_multiples(tokens, generator):
 
 def test_segment_rule_follows_the_shapes():
     """Segments only where the unsegmented state pass leaves SMs idle and sequences are long
-    (132 SMs, the H200's; value heads and V of the model shapes)."""
+    (132 SMs, the H200's; value heads and V of the model shapes; each family's constants)."""
     from cula_serve.kernels.common.segments import segment_tokens
+    from cula_serve.kernels.delta_rule import chunk_triton as delta
+    from cula_serve.kernels.lightning import chunk_triton as lightning
 
-    rule = lambda T, N, HV, sms=132, least=1024: segment_tokens(T, N, HV, 128, sms, least)  # noqa: E731
+    def rule(T, N, HV, family=delta, sms=132):
+        return segment_tokens(T, N, HV, 128, sms, min_tokens=family.SEGMENT_MIN_TOKENS,
+                              programs_per_sm=family.SEGMENT_PROGRAMS_PER_SM)
+
     assert rule(4 * 8192, 4, 32) == 0  # 256 programs already
     assert rule(2048, 1, 32) == 0  # too short to cut in four
-    assert rule(8192, 1, 8) == 1024  # TP4 shard: 16 programs; 17 segments wanted, 1024 the least
-    assert rule(32768, 1, 32) == 6592  # 64 programs: 5 segments
+    assert rule(8192, 1, 8) == 1024  # TP4 shard, 16 programs: 9 segments wanted, 1024 tokens the least
+    assert rule(32768, 1, 32) == 10944  # 64 programs: 3 segments
     assert rule(32768, 1, 32, sms=0) == 0  # not a GPU
-    assert segment_tokens(8192, 1, 16, 128, 132, 256) == 960
+    assert rule(8192, 1, 16, lightning) == 512
+    assert rule(32768, 1, 16, lightning) == 1984
+    assert rule(4 * 8192, 4, 64, lightning) == 0

@@ -398,10 +398,13 @@ def test_prefill_dispatches_to_the_chunk_kernels(mode, monkeypatch):
     prefill(**kw, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor([1, 0]), **TRITON)
     (args, kwargs), = calls
     assert args[0].mode == mode and args[1].shape == (5, 2, 32) and args[3].shape == (5, 4, 32)
-    expected = ["checkpoint_every", "checkpoint_indices", "cu_seqlens", "has_initial_state", "out", "state_indices",
-                "state_pool"]
+    expected = ["checkpoint_every", "checkpoint_indices", "cu_seqlens", "has_initial_state", "out", "segment_tokens",
+                "state_indices", "state_pool"]
     assert sorted(kwargs) == sorted(expected + (["map_columns"] if mode == "gdn" else []))
     assert kwargs["state_pool"] is pool and kwargs["state_indices"].dtype == torch.int32
+    assert kwargs["segment_tokens"] is None  # the kernels decide from the shapes
+    prefill(**kw, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor([1, 0]), segment_tokens=128, **TRITON)
+    assert calls[-1][1]["segment_tokens"] == 128
     with pytest.raises(TypeError, match="unexpected keyword"):
         prefill(**kw, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor([1, 0]), chunk_size=64, **TRITON)
 

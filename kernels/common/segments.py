@@ -44,29 +44,27 @@ import triton.language as tl
 from .chunking import CHUNK_SIZE
 from .varlen import max_chunks
 
-# The state passes' programs cover (sequence or segment, value head, 64 state columns). On an
-# H200 (bench sweeps of the segment length) they ran best with one or two per SM: GDN 4 x 8192
-# (256 programs) unsegmented, 2.58 ns per token-head against 2.88-4.80 cut into 4096- to
-# 256-token segments; a TP4 shard of 1 x 8192 (16 programs) 11.25 -> 7.5-8.2 with 512- to
-# 2048-token segments; 1 x 32768 (64 programs) 3.89 -> 3.50 with 8192. Cutting a 2048-token
-# sequence lost (4.27 -> 8.1-8.5: three more launches for little work).
-PROGRAMS_PER_SM = 2
-MIN_SEGMENTS_PER_SEQUENCE = 4
+# below this mean length the segmented pass's two more launches cost more host time than they save
+MIN_SEQUENCE_TOKENS = 4096
 
 
-def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_sms: int, min_tokens: int,
-                   requested: int | None = None) -> int:
+def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_sms: int, *, min_tokens: int,
+                   programs_per_sm: int, requested: int | None = None) -> int:
     """Tokens per segment, or 0 for no segments, from shapes alone (no host synchronisation).
 
     num_tokens, num_seqs: the packed batch. num_heads, V: value heads and state columns (the
     state pass runs one program per 64 of them). num_sms: the GPU's SMs (0: not a GPU, no
     segments unless requested). min_tokens: the shortest segment worth its composition step.
-    requested: the caller's choice (0: never; a positive multiple of the chunk size: that
-    length), overriding the rule.
+    programs_per_sm: how many programs the family's segmented passes want (fewer where the
+    transitions cost more). requested: the caller's choice (0: never; a positive multiple of the
+    chunk size: that length), overriding the rule.
 
-    The rule: segment only when the unsegmented pass would leave SMs without a program, then cut
-    segments so that the batch makes about PROGRAMS_PER_SM programs per SM, and only where the
-    mean sequence holds MIN_SEGMENTS_PER_SEQUENCE segments or more.
+    The rule: segment only when the unsegmented pass would leave SMs without a program (it runs
+    best with one or two per SM: on an H200, GDN 4 x 8192 at 256 programs lost 2.58 -> 2.88-4.80
+    ns per token-head when cut into segments), then cut the batch's tokens into about
+    ``programs_per_sm`` programs per SM, and only where the mean sequence is MIN_SEQUENCE_TOKENS
+    long or more and holds two segments (a 2048-token sequence cut in four lost: 4.27 -> 5.96-8.49
+    eager, the same device time plus two launches of host work).
     """
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0 or requested % CHUNK_SIZE:
@@ -76,9 +74,10 @@ def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_s
     per_segment = num_heads * triton.cdiv(V, 64)
     if not num_sms or num_seqs * per_segment >= num_sms:
         return 0
-    segments = triton.cdiv(PROGRAMS_PER_SM * num_sms, per_segment)
+    segments = triton.cdiv(programs_per_sm * num_sms, per_segment)
     tokens = max(triton.cdiv(triton.cdiv(num_tokens, segments), CHUNK_SIZE) * CHUNK_SIZE, min_tokens)
-    return tokens if num_tokens >= MIN_SEGMENTS_PER_SEQUENCE * tokens * num_seqs else 0
+    long_enough = num_tokens >= num_seqs * max(MIN_SEQUENCE_TOKENS, 2 * tokens)
+    return tokens if long_enough else 0
 
 
 def num_segment_ids(num_tokens: int, num_seqs: int, tokens: int) -> int:
@@ -122,6 +121,39 @@ def segment_span(cu_seqlens, num_seqs, sid, tokens):
     bos = seq_bos + j.to(tl.int64) * tokens
     eos = tl.where(live, tl.minimum(bos + tokens, seq_eos), bos)
     return live, n, seq_bos, bos, eos, j == 0, eos == seq_eos
+
+
+@triton.jit
+def program_span(cu_seqlens, state_indices, num_seqs, pid, tokens, out, s_ot, vmask,
+                 C: tl.constexpr, BV: tl.constexpr, HAS_SLOTS: tl.constexpr, SEGMENTED: tl.constexpr,
+                 TRANSITION: tl.constexpr):
+    """What state-pass program ``pid`` works on: (live, sequence, its slot, the sequence's first
+    token, the program's first token, its end, first segment, last segment). Program ``pid`` is
+    sequence ``pid`` (not SEGMENTED: first and last) or segment ``pid`` (``segment_span``).
+
+    Padding sequences (negative slot) are not live; outside TRANSITION their output rows are
+    zeroed here (``out`` at the program's head and V tile, rows strided by ``s_ot``), the pool is
+    neither read nor written. With TRANSITION a sequence's last segment is not live either."""
+    if SEGMENTED:
+        live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, pid, tokens)
+    else:
+        n = pid
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        live, seq_bos, first, last = n >= 0, bos, n >= 0, n >= 0
+    if HAS_SLOTS:
+        slot = tl.load(state_indices + n).to(tl.int64)
+    else:
+        slot = n.to(tl.int64)
+    if TRANSITION:
+        live = live & (last == 0)
+    elif live & (slot < 0):
+        rows = tl.arange(0, C)
+        for t0 in range(bos, eos, C):
+            tok = t0 + rows
+            tl.store(out + tok[:, None] * s_ot, tl.zeros([C, BV], dtype=out.dtype.element_ty),
+                     mask=(tok < eos)[:, None] & vmask[None, :])
+    return live & (slot >= 0), n, slot, seq_bos, bos, eos, first, last
 
 
 @triton.jit

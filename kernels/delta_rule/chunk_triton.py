@@ -106,7 +106,7 @@ import triton.language as tl
 from ..common.chunking import CHUNK_SIZE
 from ..common.prep import L2NORM_EPS, Recipe
 from ..common import segments
-from ..common.segments import segment_span
+from ..common.segments import program_span
 from ..common.varlen import chunk_indices, max_chunks
 
 SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
@@ -115,8 +115,11 @@ EPS = tl.constexpr(L2NORM_EPS)
 FACTOR_SPAN = 80.0
 MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
 WU_TILE = 32  # columns of W and U~ per product in the W / U~ kernel
-# Segments shorter than this do not pay for their composition step (a [V, K] x [K, K] product)
+# Segments (kernels/common/segments.py): their transitions carry K more state columns, so few and
+# long pay best (H200, GDN 1 x 32768: 3.89 ns per token-head unsegmented, 3.50 in four segments,
+# 3.80 in five, 3.82 in 32); none shorter than 1024 tokens (each costs a [V, K] x [K, K] step).
 SEGMENT_MIN_TOKENS = 1024
+SEGMENT_PROGRAMS_PER_SM = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,35 +606,18 @@ def _delta_state_kernel(
     pid = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // GROUP
-    if SEGMENTED:
-        live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, pid, segment_tokens)
-    else:
-        n = pid
-        bos = tl.load(cu_seqlens + n).to(tl.int64)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-        live, seq_bos, first, last = True, bos, True, True
     ko = tl.arange(0, BK)
     vo = tl.program_id(2) * BV + tl.arange(0, BV)
     kmask = ko < K
     vmask = vo < V
     rows = tl.arange(0, C)
     out += hv * s_oh + vo[None, :] * s_ov
-    if HAS_SLOTS:
-        slot = tl.load(state_indices + n).to(tl.int64)
-    else:
-        slot = n.to(tl.int64)
+    live, n, slot, seq_bos, bos, eos, first, last = program_span(
+        cu_seqlens, state_indices, num_seqs, pid, segment_tokens, out, s_ot, vmask, C, BV, HAS_SLOTS, SEGMENTED,
+        TRANSITION)
     if TRANSITION:
-        # a sequence's last segment needs no map, a first one no map columns (its D starts from
-        # the pool state)
-        live = live & (slot >= 0) & (last == 0) & ((first == 0) | (tl.program_id(2) * BV < V_VALUES))
-    else:
-        if live & (slot < 0):
-            # padding: zero output rows, the pool is neither read nor written
-            for t0 in range(bos, eos, C):
-                tok = t0 + rows
-                tl.store(out + tok[:, None] * s_ot, tl.zeros([C, BV], dtype=out.dtype.element_ty),
-                         mask=(tok < eos)[:, None] & vmask[None, :])
-        live = live & (slot >= 0)
+        # a first segment needs no map columns: its D starts from the pool state
+        live = live & ((first == 0) | (tl.program_id(2) * BV < V_VALUES))
     if live:
         state_mask = kmask[:, None] & vmask[None, :]
         state_offs = hv * s_ph + vo[None, :] * s_pv + ko[:, None] * s_pk  # S[k, v] = pool[slot, hv, v, k]
@@ -778,7 +764,8 @@ def _segment_tokens(T, N, HV, K, V, num_sms, map_columns, requested):
         if requested:
             raise ValueError(f"segment_tokens: not with map_columns or V + K > {MAX_HEAD_DIM} (K={K}, V={V})")
         return 0
-    return segments.segment_tokens(T, N, HV, V, num_sms, SEGMENT_MIN_TOKENS, requested)
+    return segments.segment_tokens(T, N, HV, V, num_sms, min_tokens=SEGMENT_MIN_TOKENS,
+                                   programs_per_sm=SEGMENT_PROGRAMS_PER_SM, requested=requested)
 
 
 def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
