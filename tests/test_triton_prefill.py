@@ -400,11 +400,17 @@ def test_segments_bf16_pool(mode, generator):
     _assert_same_writes(pool, ref_pool, tol)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tokens", [-64, 100, 1.5, True])
-def test_segment_tokens_must_be_chunk_multiples(tokens, generator):
-    kw = random_inputs("gdn", (70,), **GVA, dtype=torch.float32, generator=generator)
+def test_segment_tokens_must_be_chunk_multiples(mode, tokens, generator):
+    """A bad ``segment_tokens`` names the argument and writes neither the pool nor ``out``."""
+    kw = random_inputs(mode, (70,), **GVA, dtype=torch.float32, generator=generator)
+    pool = torch.full((2, GVA["HV"], GVA["V"], GVA["K"]), float("nan"))
+    out = torch.full((70, GVA["HV"], GVA["V"]), float("nan"))
     with pytest.raises(ValueError, match="segment_tokens"):
-        _call("gdn", kw, cu_seqlens=_cu([70]), segment_tokens=tokens, **TRITON)
+        _call(mode, kw, cu_seqlens=_cu([70]), state_pool=pool, state_indices=torch.tensor([1], dtype=torch.int32),
+              out=out, segment_tokens=tokens, **TRITON)
+    assert torch.isnan(pool).all() and torch.isnan(out).all()
 
 
 def test_segment_rule_follows_the_shapes():

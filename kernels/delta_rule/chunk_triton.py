@@ -809,6 +809,8 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     if checkpoint_every and checkpoint_every % C:
         raise ValueError(f"checkpoint_every={checkpoint_every}: must be a multiple of {C}")
     device = q.device
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    tokens = _segment_tokens(T, N, HV, K, V, num_sms, map_columns, segment_tokens)  # validates before any launch
     per_channel = recipe.mode == "kda"
     BK = max(triton.next_power_of_2(K), 16)
     prec = precisions(q.dtype)
@@ -857,7 +859,6 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, num_warps=4,
         num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **common)
 
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     has_pool = state_pool is not None
     ckpt = checkpoint_indices if has_pool and checkpoint_every else None
     state_args = (
@@ -872,7 +873,6 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
                  HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"], **common)
 
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
-    tokens = _segment_tokens(T, N, HV, K, V, num_sms, map_columns, segment_tokens)
     if not tokens:
         _delta_state_kernel[(N, HV, triton.cdiv(V_state, launch["BV"]))](
             *state_args, N, 0, U_ws, *pool_args, 0, 0, 0,
