@@ -16,7 +16,7 @@ GDN is this with a scalar gate broadcast over the K channels; the W / U~ and sta
 shared and a constexpr (PER_CHANNEL) picks how a decay is applied. Only stage 1 differs, because
 a scalar decay can be applied after a product and a per-channel one cannot.
 
-Launches per call: four for GDN, five for KDA.
+Launches per call: four for GDN, five for KDA (two more with segments, stage 3 below).
 0. ``kernels.common.varlen.chunk_indices``: the (sequence, chunk) of every global chunk id, on
    the device (no host synchronisation).
 1. P and M^-1 of every chunk, all chunks independent. l2norm, the fused gate, the in-chunk
@@ -44,7 +44,7 @@ Launches per call: four for GDN, five for KDA.
    Where one long sequence (or a shard with few heads) would leave SMs idle, the sequences are
    cut into segments (``kernels.common.segments``): the same kernel first computes every
    segment's state map with K map columns and no outputs, a small kernel composes them, and the
-   kernel then runs per segment with outputs. Three more launches, about twice the state pass's
+   kernel then runs per segment with outputs. Two more launches, about twice the state pass's
    products, all SMs busy.
 
 Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
@@ -103,9 +103,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import segments
 from ..common.chunking import CHUNK_SIZE
 from ..common.prep import L2NORM_EPS, Recipe
-from ..common import segments
 from ..common.segments import program_span
 from ..common.varlen import chunk_indices, max_chunks
 

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.chunking import CHUNK_SIZE
 from ..common import segments
+from ..common.chunking import CHUNK_SIZE
 from ..common.prep import Recipe
 from ..common.segments import program_span
 from ..delta_rule.chunk_triton import MAX_HEAD_DIM, _dot, _inv_norm, _load_rows, precisions, sequential_config
