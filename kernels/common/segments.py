@@ -33,8 +33,9 @@ Segments are ``segment_tokens`` long (a multiple of the chunk size, so chunk bou
 checkpoints fall where they fall without segments), the last one of a sequence shorter. Segment
 ids follow the packed order (sequence 0's segments first); every program finds its own from
 ``cu_seqlens`` (``segment_span``), so the grid is sized by the bound T // segment_tokens + N and
-nothing is computed on the host or in extra launches: a short prefill is host-bound, and on an
-H200 a table launch plus a few torch ops per call doubled the eager time of GDN 1 x 2048.
+no table is built on the host or in an extra launch. Host work matters: on an H200 a segmented
+GDN 1 x 2048 took the same device time as the unsegmented one (0.27 ms) and about twice its
+eager time.
 """
 from __future__ import annotations
 
