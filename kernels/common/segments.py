@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .chunking import CHUNK_SIZE
-from .varlen import max_chunks
+from .varlen import SEQ_BLOCK, locate_pieces, max_chunks, piece_counts
 
 # below this mean length the segmented pass's two more launches cost more host time than they save
 MIN_SEQUENCE_TOKENS = 4096
@@ -87,34 +87,15 @@ def num_segment_ids(num_tokens: int, num_seqs: int, tokens: int) -> int:
     return max_chunks(num_tokens, num_seqs, tokens)
 
 
-_SEQ_BLOCK = tl.constexpr(64)
-
-
-@triton.jit
-def _segment_counts(cu_seqlens, n0, num_seqs, tokens):
-    """Sequences n0 .. n0 + 63 (those < num_seqs): their indices and segment counts (0 past the end)."""
-    n = n0 + tl.arange(0, _SEQ_BLOCK)
-    live = n < num_seqs
-    length = tl.load(cu_seqlens + n + 1, mask=live, other=0) - tl.load(cu_seqlens + n, mask=live, other=0)
-    return n, (length + tokens - 1) // tokens
-
-
 @triton.jit
 def segment_span(cu_seqlens, num_seqs, sid, tokens):
     """Tokens of segment ``sid``: (live, sequence, the sequence's first token, the segment's first
     token, its end, first segment of its sequence, last segment). Not live: ids past the last
-    segment (then the span is empty). Walks the sequences in blocks: O(N) per program, for the
-    few long sequences that are segmented."""
-    offset = 0  # segments of the sequences before the block
-    seq = -1
-    j = 0
-    for n0 in range(0, num_seqs, _SEQ_BLOCK):
-        n, count = _segment_counts(cu_seqlens, n0, num_seqs, tokens)
-        first = offset + tl.cumsum(count, 0) - count
-        hit = (first <= sid) & (sid < first + count)
-        seq = tl.maximum(seq, tl.max(tl.where(hit, n, -1), 0))
-        j += tl.sum(tl.where(hit, sid - first, 0), 0)
-        offset += tl.sum(count, 0)
+    segment (then the span is empty). O(N) per program (``locate_pieces``), for the few long
+    sequences that are segmented."""
+    seq, j = locate_pieces(cu_seqlens, num_seqs, sid + tl.zeros([1], dtype=tl.int32), tokens)
+    seq = tl.sum(seq, 0)
+    j = tl.maximum(tl.sum(j, 0), 0)
     live = seq >= 0
     n = tl.maximum(seq, 0)
     seq_bos = tl.load(cu_seqlens + n).to(tl.int64)
@@ -176,8 +157,8 @@ def _compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, d
         live = live & (tl.load(state_indices + n) >= 0)
     if live:
         sid = 0  # the id of the sequence's first segment: the segments of the sequences before it
-        for n0 in range(0, n, _SEQ_BLOCK):
-            before, counts = _segment_counts(cu_seqlens, n0, n, tokens)
+        for n0 in range(0, n, SEQ_BLOCK):
+            before, counts = piece_counts(cu_seqlens, n0, n, tokens)
             sid += tl.sum(counts, 0)
         sid = sid.to(tl.int64)
         transitions += hv * s_th

@@ -26,32 +26,47 @@ import triton
 import triton.language as tl
 
 _BLOCK_CHUNKS = 64
-_BLOCK_SEQS = 64
+SEQ_BLOCK = tl.constexpr(64)  # sequences read per step of the walks below
 
 
 @triton.jit
-def _chunk_index_kernel(cu_seqlens, out, N, NUM_IDS, C: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-                        BLOCK_SEQS: tl.constexpr):
-    ids = tl.program_id(0) * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
-    seq = tl.zeros([BLOCK_CHUNKS], dtype=tl.int32)
-    local = tl.zeros([BLOCK_CHUNKS], dtype=tl.int32)
-    found = tl.zeros([BLOCK_CHUNKS], dtype=tl.int32)
-    offset = 0  # chunks of the sequences before the current block
-    for n0 in range(0, N, BLOCK_SEQS):
-        n = n0 + tl.arange(0, BLOCK_SEQS)
-        live = n < N
-        bos = tl.load(cu_seqlens + n, mask=live, other=0)
-        eos = tl.load(cu_seqlens + n + 1, mask=live, other=0)
-        count = (eos - bos + C - 1) // C
-        first = offset + tl.cumsum(count, 0) - count  # global id of each sequence's first chunk
+def piece_counts(cu_seqlens, n0, num_seqs, size):
+    """Sequences n0 .. n0 + SEQ_BLOCK - 1 (those < num_seqs): their indices and how many pieces of
+    ``size`` tokens each is cut into (0 past the end)."""
+    n = n0 + tl.arange(0, SEQ_BLOCK)
+    live = n < num_seqs
+    length = tl.load(cu_seqlens + n + 1, mask=live, other=0) - tl.load(cu_seqlens + n, mask=live, other=0)
+    return n, (length + size - 1) // size
+
+
+@triton.jit
+def locate_pieces(cu_seqlens, num_seqs, ids, size):
+    """For global ids [B] of the pieces of ``size`` tokens of a packed batch (packed order: the
+    pieces of sequence 0 first), the sequence holding each and its index there ([B] each; -1 for
+    ids past the last piece). Walks the sequences in blocks, keeping the running piece offset,
+    and matches the ids against every sequence of a block at once."""
+    seq = tl.zeros(ids.shape, dtype=tl.int32)
+    local = tl.zeros(ids.shape, dtype=tl.int32)
+    found = tl.zeros(ids.shape, dtype=tl.int32)
+    offset = 0  # pieces of the sequences before the current block
+    for n0 in range(0, num_seqs, SEQ_BLOCK):
+        n, count = piece_counts(cu_seqlens, n0, num_seqs, size)
+        first = offset + tl.cumsum(count, 0) - count  # global id of each sequence's first piece
         hit = (first[None, :] <= ids[:, None]) & (ids[:, None] < (first + count)[None, :])
         seq += tl.sum(tl.where(hit, n[None, :], 0), 1)
         local += tl.sum(tl.where(hit, ids[:, None] - first[None, :], 0), 1)
         found += tl.sum(hit.to(tl.int32), 1)
         offset += tl.sum(count, 0)
+    return tl.where(found > 0, seq, -1), tl.where(found > 0, local, -1)
+
+
+@triton.jit
+def _chunk_index_kernel(cu_seqlens, out, N, NUM_IDS, C: tl.constexpr, BLOCK_CHUNKS: tl.constexpr):
+    ids = tl.program_id(0) * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
+    seq, local = locate_pieces(cu_seqlens, N, ids, C)
     keep = ids < NUM_IDS
-    tl.store(out + ids * 2, tl.where(found > 0, seq, -1), mask=keep)
-    tl.store(out + ids * 2 + 1, tl.where(found > 0, local, -1), mask=keep)
+    tl.store(out + ids * 2, seq, mask=keep)
+    tl.store(out + ids * 2 + 1, local, mask=keep)
 
 
 def max_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
@@ -70,6 +85,5 @@ def chunk_indices(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: int) ->
     num_ids = max_chunks(num_tokens, N, chunk_size)
     out = torch.empty(num_ids, 2, dtype=torch.int32, device=cu_seqlens.device)
     grid = (triton.cdiv(num_ids, _BLOCK_CHUNKS),)
-    _chunk_index_kernel[grid](cu_seqlens, out, N, num_ids, C=chunk_size, BLOCK_CHUNKS=_BLOCK_CHUNKS,
-                              BLOCK_SEQS=_BLOCK_SEQS)
+    _chunk_index_kernel[grid](cu_seqlens, out, N, num_ids, C=chunk_size, BLOCK_CHUNKS=_BLOCK_CHUNKS)
     return out
