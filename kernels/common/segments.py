@@ -11,7 +11,7 @@ receives affinely,
 
 so the segments' (A, D) can be computed in parallel and composed afterwards. Three launches:
 
-1. Transitions, grid (segment, value head, state tile), all segments but each sequence's last:
+1. Transitions, grid (segment x state tile, value head), all segments but each sequence's last:
    the prefill's state pass without outputs. A first segment starts from its pool state, so its
    D already carries it (no A needed). Any other segment starts from [0 | I]: the delta rule's
    state widened by K columns that start as the identity and see zero values (the map columns of
@@ -21,7 +21,7 @@ so the segments' (A, D) can be computed in parallel and composed afterwards. Thr
    one small step per segment, S_{j+1} = A_j S_j + D_j (S_1 = D_0), into ``initial``
    [segments, HV, V, K]. In K-last rows X = S^T this reads X_{j+1} = X_j A_j^T + D_j^T, and the
    map columns hold exactly A_j^T: one [BV, K] x [K, K] product per step.
-3. The prefill's ordinary state pass with outputs, grid (segment, value head, V tile), each
+3. The prefill's ordinary state pass with outputs, grid (segment x V tile, value head), each
    segment from its pool state (first) or its composed initial state; the last writes the pool,
    every segment writes the checkpoints that fall inside it.
 
@@ -103,6 +103,16 @@ def segment_span(cu_seqlens, num_seqs, sid, tokens):
     bos = seq_bos + j.to(tl.int64) * tokens
     eos = tl.where(live, tl.minimum(bos + tokens, seq_eos), bos)
     return live, n, seq_bos, bos, eos, j == 0, eos == seq_eos
+
+
+@triton.jit
+def program_ids(V: tl.constexpr, BV: tl.constexpr):
+    """(sequence or segment, value head, V tile) of a state-pass program, grid
+    (programs x V tiles, value heads). The V tiles of one sequence and head are neighbours in
+    launch order, so they run together and the q and k rows they all read (and the delta rule's
+    W and P) come from HBM once, then from L2."""
+    tiles: tl.constexpr = (V + BV - 1) // BV
+    return tl.program_id(0) // tiles, tl.program_id(1), tl.program_id(0) % tiles
 
 
 @triton.jit

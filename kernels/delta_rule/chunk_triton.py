@@ -23,24 +23,26 @@ Launches per call: four for GDN, five for KDA (two more with segments, stage 3 b
    cumulative sum and the beta sigmoid are applied in registers; P and N = M - I (strictly lower,
    float32) go to [T, HV, C] workspaces, then M^-1 replaces N (block doubling within each of the
    four 16 x 16 diagonal blocks, then (M^-1)_ij = -(M^-1)_ii sum_m N_im (M^-1)_mj: ``_invert_chunk``).
-   GDN, ``_gdn_intra_kernel``, grid (T // C + N, HV): P and N as two whole-chunk products
-   (q k^T, k k^T) times one C x C decay matrix, then after a barrier the solve, reading N back in
+   GDN, ``_gdn_intra_kernel``, grid ((T // C + N) x HV) (``_chunk_program``): P and N as two
+   whole-chunk products (q k^T, k k^T) times one C x C decay matrix, then after a barrier the solve, reading N back in
    blocks (16-row blocks held in registers until the solve spilled: 1.80 ms against 0.98 for
    GDN 4 x 8192 on an H200). KDA, whose per-channel decays only factor safely across sub-chunk
-   boundaries (below): ``_kda_block_kernel``, grid (T // C + N, HV, 10), one 16 x 16 block of P
-   and N per program, then ``_invert_kernel`` (one program per chunk and head). The whole chunk's
-   blocks in one program kept three sub-chunks' decayed tiles live and spilled 3 KB per thread
-   (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 now).
-2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as C-row products over the
-   whole chunk in column tiles of 32, into W [T, HV, K] and U~ [T, HV, V]. A separate launch
-   because inside kernel 1 the products kept every v and k tile live and spilled (GDN 4 x 8192
-   on an H200 went from 6.01 to 4.05 ms with the split).
-3. ``_delta_state_kernel``, grid (N, HV, V / BV): one program per (sequence, value head, V
-   tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. Per chunk it
-   rereads q, k and the gate (recomputing l2norm, gate and cumulative sum is cheaper than a
-   workspace round trip of exp(G) Q and exp(G_C - G) K), reads W, U~, P and applies the four
-   products above. The state goes to memory only at the end (the pool slot) and at requested
-   checkpoints; FLA's chunk_h writes every chunk's state, this never does.
+   boundaries (below): ``_kda_block_kernel``, grid ((T // C + N) x HV, 1, 10), one 16 x 16 block
+   of P and N per program, then ``_invert_kernel`` (one program per chunk and head, 2 warps).
+   The whole chunk's blocks in one program kept three sub-chunks' decayed tiles live and spilled
+   3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 then).
+2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as
+   C-row products over the whole chunk in column tiles of 32, into W [T, HV, K] and U~
+   [T, HV, V]. A separate launch because inside kernel 1 the products kept every v and k tile
+   live and spilled (GDN 4 x 8192 on an H200 went from 6.01 to 4.05 ms with the split).
+3. ``_delta_state_kernel``, grid (N x V / BV, HV): one program per (sequence, value head, V
+   tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. The V tiles
+   of a sequence and head run side by side (``segments.program_ids``), so q, k, W and P come
+   from HBM once (H200, GDN 4 x 8192: 1.12 -> 1.02 ms against tiles in the slowest grid axis).
+   Per chunk it rereads q, k and the gate (recomputing l2norm, gate and cumulative sum is
+   cheaper than a workspace round trip of exp(G) Q and exp(G_C - G) K), reads W, U~, P and
+   applies the four products above. The state goes to memory only at the end (the pool slot)
+   and at requested checkpoints; FLA's chunk_h writes every chunk's state, this never does.
    Where one long sequence (or a shard with few heads) would leave SMs idle, the sequences are
    cut into segments (``kernels.common.segments``): the same kernel first computes every
    segment's state map with K map columns and no outputs, a small kernel composes them, and the
@@ -106,7 +108,7 @@ import triton.language as tl
 from ..common import segments
 from ..common.chunking import CHUNK_SIZE
 from ..common.prep import L2NORM_EPS, Recipe
-from ..common.segments import program_span
+from ..common.segments import program_ids, program_span
 from ..common.varlen import chunk_indices, max_chunks
 
 SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
@@ -210,6 +212,14 @@ def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
         else:
             a = -A * _softplus(a)
     return tl.where(mask, a, 0.0)
+
+
+@triton.jit
+def _chunk_program(HV: tl.constexpr):
+    """(global chunk, value head) of a per-chunk program, grid axis 0 = chunks x HV: the value heads
+    of one chunk are neighbours in launch order, so those sharing a qk head (grouped value heads)
+    read its q and k rows from HBM once, then from L2."""
+    return tl.program_id(0) // HV, tl.program_id(0) % HV
 
 
 @triton.jit
@@ -369,8 +379,7 @@ def _gdn_intra_kernel(
     """GDN, one (chunk, value head): P and N = M - I of the chunk into the workspaces, then M^-1
     in place of N (module docstring)."""
     tl.static_assert(C == 4 * SUB)
-    i_c = tl.program_id(0)
-    hv = tl.program_id(1)
+    i_c, hv = _chunk_program(HV)
     h = hv // GROUP
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
@@ -475,9 +484,8 @@ def _kda_block_kernel(
     block per program keeps few tiles live: the whole chunk in one program (2 warps) held the
     decayed tiles of three sub-chunks and spilled 3 KB per thread."""
     tl.static_assert(C == 4 * SUB)
-    i_c = tl.program_id(0)
-    hv = tl.program_id(1)
-    blk = tl.program_id(2)
+    i_c, hv = _chunk_program(HV)
+    blk = tl.program_id(2)  # axis 1 has size 1
     i = (blk >= 1).to(tl.int32) + (blk >= 3).to(tl.int32) + (blk >= 6).to(tl.int32)
     j = blk - i * (i + 1) // 2
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
@@ -510,8 +518,7 @@ def _kda_block_kernel(
 def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws,
                    HV: tl.constexpr, C: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """KDA, one (chunk, value head): M^-1 in place of N (``_invert_chunk``)."""
-    i_c = tl.program_id(0)
-    hv = tl.program_id(1)
+    i_c, hv = _chunk_program(HV)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
         _invert_chunk(Minv_ws, t0, tl.minimum(eos - t0, C).to(tl.int32), hv, HV, C)
@@ -535,8 +542,7 @@ def _delta_wu_kernel(
 ):
     """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
     C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace."""
-    i_c = tl.program_id(0)
-    hv = tl.program_id(1)
+    i_c, hv = _chunk_program(HV)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
         rows = tl.arange(0, C)
@@ -603,11 +609,10 @@ def _delta_state_kernel(
     (first segment, value columns only) or [0 | I] (the rest), no outputs, the final state goes
     to ``initial`` [segments, HV, V, K] (the transitions buffer). Without, S0 is the pool state
     (first segment) or ``initial`` (the composed states), the last segment writes the pool."""
-    pid = tl.program_id(0)
-    hv = tl.program_id(1)
+    pid, hv, v_tile = program_ids(V, BV)
     h = hv // GROUP
     ko = tl.arange(0, BK)
-    vo = tl.program_id(2) * BV + tl.arange(0, BV)
+    vo = v_tile * BV + tl.arange(0, BV)
     kmask = ko < K
     vmask = vo < V
     rows = tl.arange(0, C)
@@ -617,7 +622,7 @@ def _delta_state_kernel(
         TRANSITION)
     if TRANSITION:
         # a first segment needs no map columns: its D starts from the pool state
-        live = live & ((first == 0) | (tl.program_id(2) * BV < V_VALUES))
+        live = live & ((first == 0) | (v_tile * BV < V_VALUES))
     if live:
         state_mask = kmask[:, None] & vmask[None, :]
         state_offs = hv * s_ph + vo[None, :] * s_pv + ko[:, None] * s_pk  # S[k, v] = pool[slot, hv, v, k]
@@ -832,7 +837,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
                   **gate_flags)
 
     table = chunk_indices(cu_seqlens, T, C)
-    grid = (max_chunks(T, N, C), HV)
+    grid = (max_chunks(T, N, C) * HV,)
     gate_args = (A_log, dt_bias, lower_bound)
     intra_args = (q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
                   *q.stride(), *k.stride(), *g.stride(), *beta.stride())
@@ -842,11 +847,12 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         # Warps timed on an H200 (bf16, 4 x 8192, fused gates): 2 warps 5.82 ms, 4 warps 10.7, 8 20.1.
         # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
         # an sm_90 compile against 216 with 2 (not timed).
-        _kda_block_kernel[grid + (10,)](
+        _kda_block_kernel[grid + (1, 10)](
             *intra_args, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
             num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **intra_flags)
+        # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2, 1 warp spills
         _invert_kernel[grid](cu_seqlens, table, slots, Minv_ws, HV=HV, C=C, HAS_SLOTS=state_indices is not None,
-                             num_warps=4, num_stages=1)
+                             num_warps=2, num_stages=1)
     else:
         # 4 warps: GDN 4 x 8192 whole prefill 3.21 ms with 4, 3.20 with 8 on an H200 (bf16)
         _gdn_intra_kernel[grid](*intra_args, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"], num_warps=4,
@@ -874,7 +880,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
 
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
     if not tokens:
-        _delta_state_kernel[(N, HV, triton.cdiv(V_state, launch["BV"]))](
+        _delta_state_kernel[(N * triton.cdiv(V_state, launch["BV"]), HV)](
             *state_args, N, 0, U_ws, *pool_args, 0, 0, 0,
             V=V_state, V_VALUES=V, SEGMENTED=False, TRANSITION=False, **launch, **flags)
         return out
@@ -883,14 +889,14 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     num_ids = segments.num_segment_ids(T, N, tokens)
     transitions = torch.empty(num_ids, HV, V + K, K, dtype=torch.float32, device=device)
     launch = sequential_config(BK, V + K, prec["PREC_FAST"], heads=num_ids * HV, num_sms=num_sms)
-    _delta_state_kernel[(num_ids, HV, triton.cdiv(V + K, launch["BV"]))](
+    _delta_state_kernel[(num_ids * triton.cdiv(V + K, launch["BV"]), HV)](
         *state_args, N, tokens, transitions, *pool_args, *transitions.stride()[:3],
         V=V + K, V_VALUES=V, SEGMENTED=True, TRANSITION=True, **launch, **flags)
     initial = torch.empty(num_ids, HV, V, K, dtype=torch.float32, device=device)
     segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial,
                                     tokens=tokens, V=V)
     launch = sequential_config(BK, V, prec["PREC_FAST"], heads=num_ids * HV, num_sms=num_sms)
-    _delta_state_kernel[(num_ids, HV, triton.cdiv(V, launch["BV"]))](
+    _delta_state_kernel[(num_ids * triton.cdiv(V, launch["BV"]), HV)](
         *state_args, N, tokens, initial, *pool_args, *initial.stride()[:3],
         V=V, V_VALUES=V, SEGMENTED=True, TRANSITION=False, **launch, **flags)
     return out
