@@ -850,7 +850,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         _kda_block_kernel[grid + (1, 10)](
             *intra_args, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
             num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **intra_flags)
-        # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2, 1 warp spills
+        # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
         _invert_kernel[grid](cu_seqlens, table, slots, Minv_ws, HV=HV, C=C, HAS_SLOTS=state_indices is not None,
                              num_warps=2, num_stages=1)
     else:
