@@ -105,6 +105,12 @@ def segment_span(cu_seqlens, num_seqs, sid, tokens):
     return live, n, seq_bos, bos, eos, j == 0, eos == seq_eos
 
 
+def state_grid(programs: int, heads: int, V: int, BV: int) -> tuple[int, int]:
+    """The launch grid of a state pass over ``programs`` sequences or segments, ``heads`` value
+    heads and V state columns in tiles of BV, in the layout ``program_ids`` reads."""
+    return programs * triton.cdiv(V, BV), heads
+
+
 @triton.jit
 def program_ids(V: tl.constexpr, BV: tl.constexpr):
     """(sequence or segment, value head, V tile) of a state-pass program, grid

@@ -880,7 +880,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
 
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
     if not tokens:
-        _delta_state_kernel[(N * triton.cdiv(V_state, launch["BV"]), HV)](
+        _delta_state_kernel[segments.state_grid(N, HV, V_state, launch["BV"])](
             *state_args, N, 0, U_ws, *pool_args, 0, 0, 0,
             V=V_state, V_VALUES=V, SEGMENTED=False, TRANSITION=False, **launch, **flags)
         return out
@@ -889,14 +889,14 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     num_ids = segments.num_segment_ids(T, N, tokens)
     transitions = torch.empty(num_ids, HV, V + K, K, dtype=torch.float32, device=device)
     launch = sequential_config(BK, V + K, prec["PREC_FAST"], heads=num_ids * HV, num_sms=num_sms)
-    _delta_state_kernel[(num_ids * triton.cdiv(V + K, launch["BV"]), HV)](
+    _delta_state_kernel[segments.state_grid(num_ids, HV, V + K, launch["BV"])](
         *state_args, N, tokens, transitions, *pool_args, *transitions.stride()[:3],
         V=V + K, V_VALUES=V, SEGMENTED=True, TRANSITION=True, **launch, **flags)
     initial = torch.empty(num_ids, HV, V, K, dtype=torch.float32, device=device)
     segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial,
                                     tokens=tokens, V=V)
     launch = sequential_config(BK, V, prec["PREC_FAST"], heads=num_ids * HV, num_sms=num_sms)
-    _delta_state_kernel[(num_ids * triton.cdiv(V, launch["BV"]), HV)](
+    _delta_state_kernel[segments.state_grid(num_ids, HV, V, launch["BV"])](
         *state_args, N, tokens, initial, *pool_args, *initial.stride()[:3],
         V=V, V_VALUES=V, SEGMENTED=True, TRANSITION=False, **launch, **flags)
     return out

@@ -186,13 +186,13 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     tokens = segments.segment_tokens(T, N, HV, V, num_sms, min_tokens=SEGMENT_MIN_TOKENS,
                                      programs_per_sm=SEGMENT_PROGRAMS_PER_SM, requested=segment_tokens)
     if not tokens:
-        _lightning_kernel[(N * triton.cdiv(V, launch["BV"]), HV)](
+        _lightning_kernel[segments.state_grid(N, HV, V, launch["BV"])](
             *args, N, 0, out, *tail, 0, 0, 0, SEGMENTED=False, TRANSITION=False, **launch, **flags)
         return out
 
     # in-card context parallelism (kernels/common/segments.py): transitions, composition, outputs
     num_ids = segments.num_segment_ids(T, N, tokens)
-    grid = (num_ids * triton.cdiv(V, launch["BV"]), HV)
+    grid = segments.state_grid(num_ids, HV, V, launch["BV"])
     transitions = torch.empty(num_ids, HV, V, K, dtype=torch.float32, device=device)
     _lightning_kernel[grid](*args, N, tokens, transitions, *tail, *transitions.stride()[:3],
                             SEGMENTED=True, TRANSITION=True, **launch, **flags)
