@@ -101,24 +101,27 @@ def test_decode_matches_oracle(mode, state_dtype, input_dtype, shape, generator)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("columns", [4, 8], ids=["bv4", "bv8"])
-def test_narrow_tiles_split_lanes_along_v(mode, columns, monkeypatch, generator):
-    """The GPU's narrow V-tiles (4 and 8 columns at small batches) put lane groups along V and
-    apply q's and k's l2norm and scale to the rows (``tile_split``), which the interpreter's
-    default 32-column tiles never do: decode and a deferred verify + commit against the oracle."""
+@pytest.mark.parametrize("columns,shape", [(4, GVA), (8, GVA), (32, dict(GVA, K=128, V=64))],
+                         ids=["bv4", "bv8", "bv32_k128"])
+def test_narrow_tiles_split_lanes_along_v(mode, columns, shape, monkeypatch, generator):
+    """The GPU's V-tiles put lane groups along V and apply q's and k's l2norm and scale to the
+    rows (``tile_split``), which the interpreter's default tiles never do with K = 32: 4 and 8
+    columns (small batches), and 32 columns with K = 128 (B >= 256), where a deferred verify
+    takes 8 lanes along K and a decode 16. Decode and a deferred verify + commit against the
+    oracle."""
     from cula_serve.kernels.delta_rule import recurrent_triton
     monkeypatch.setattr(recurrent_triton, "block_v", lambda N, HV, K, V, device: (columns, 1))
     if mode == "lightning":
         from cula_serve.kernels.lightning import recurrent_triton as lightning_recurrent
         monkeypatch.setattr(lightning_recurrent, "block_v", lambda N, HV, K, V, device: (columns, 1))
-    split = recurrent_triton.tile_split(GVA["K"], columns, mode == "kda", "deferred")
-    # K = 32: 8 lanes x 4 channels along K, so up to 4 lane groups along V
+    split = recurrent_triton.tile_split(shape["K"], columns, mode == "kda", "deferred")
+    # 8 lanes x 4 channels along K (all of K = 32; at K = 128 the 32-column split), so 4 lane groups along V
     assert split["LV"] == (1 if mode == "kda" else 4) and split["NORM_ON_ROWS"] == (mode != "kda")
     T = 3
     slots = torch.tensor(SLOTS, dtype=torch.int32)
-    pool, _ = _pool(GVA, torch.float32, [s for s in SLOTS if s >= 0], generator)
+    pool, _ = _pool(shape, torch.float32, [s for s in SLOTS if s >= 0], generator)
     ref_pool = pool.double()
-    kw = random_inputs(mode, (len(SLOTS), T), **GVA, generator=generator)
+    kw = random_inputs(mode, (len(SLOTS), T), **shape, generator=generator)
     q, k, v, rest = _split(kw)
     o, pending = cula_verify(q, k, v, pool, mode=mode, protocol="deferred", state_indices=slots, **rest, **TRITON)
     q64, k64, v64, rest64 = _split(to_float64(kw))

@@ -27,7 +27,7 @@ Launches per call: four for GDN, five for KDA (two more with segments, stage 3 b
    whole-chunk products (q k^T, k k^T) times one C x C decay matrix, then after a barrier the solve, reading N back in
    blocks (16-row blocks held in registers until the solve spilled: 1.80 ms against 0.98 for
    GDN 4 x 8192 on an H200). KDA, whose per-channel decays only factor safely across sub-chunk
-   boundaries (below): ``_kda_block_kernel``, grid ((T // C + N) x HV, 1, 10), one 16 x 16 block
+   boundaries (below): ``_kda_block_kernel``, grid ((T // C + N) x HV, 1, 4), one 16-row block
    of P and N per program, then ``_invert_kernel`` (one program per chunk and head, 2 warps).
    The whole chunk's blocks in one program kept three sub-chunks' decayed tiles live and spilled
    3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 then).
@@ -427,25 +427,25 @@ def _decayed(x, inv_norm, factor):
 
 
 @triton.jit
-def _block_products(qi, ki, rqi, rki, li, kc, PREC_ACC: tl.constexpr):
-    """A (k k^T) and P / scale (q k^T) of one block of row sub-chunk i: the rows decayed by
-    exp(l_i) (from the sub-chunk's start), ``kc`` the decayed column operand."""
-    f = tl.exp(li)
+def _block_products(kr, qr, kc, PREC_ACC: tl.constexpr):
+    """A (k k^T) and P / scale (q k^T) of one block: ``kr``, ``qr`` the row sub-chunk's k and q
+    decayed by exp(l_i) (from the sub-chunk's start), ``kc`` the decayed column operand."""
     kt = tl.trans(kc)
-    return _dot(_decayed(ki, rki, f), kt, PREC_ACC), _dot(_decayed(qi, rqi, f), kt, PREC_ACC)
+    return _dot(kr, kt, PREC_ACC), _dot(qr, kt, PREC_ACC)
 
 
 @triton.jit
-def _diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr):
+def _diag_block(qi, ki, rqi, rki, li, kr, qr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr):
     """KDA: A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16
-    block; ``li`` is the cumulative gate from the sub-chunk's start.
+    block; ``li`` is the cumulative gate from the sub-chunk's start, ``kr`` and ``qr`` the rows
+    decayed by exp(li) (``_block_products``).
 
     exp(G_t - G_s) = exp(l_t) * exp(-l_s), factors <= 1 and >= 1: safe while the sub-chunk's gates
     span less than FACTOR_SPAN in every channel (the usual case). Otherwise the exact pairwise
     decays, one key column s at a time: exp(l_t - l_s) for rows t >= s only."""
     r = tl.arange(0, SUB)
     if tl.max(tl.max(-li, 1), 0) < FACTOR_SPAN:
-        A, P = _block_products(qi, ki, rqi, rki, li, _decayed(ki, rki, tl.exp(-li)), PREC_ACC)
+        A, P = _block_products(kr, qr, _decayed(ki, rki, tl.exp(-li)), PREC_ACC)
     else:
         qf = qi.to(tl.float32) * rqi[:, None]
         kf = ki.to(tl.float32) * rki[:, None]
@@ -474,20 +474,22 @@ def _kda_block_kernel(
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
 ):
-    """KDA, one (chunk, value head, 16 x 16 block (i, j <= i) of the chunk's lower triangle): the
-    block of P (times scale) and of N = diag(beta) A into the workspaces.
+    """KDA, one (chunk, value head, row sub-chunk i): the 16 x 16 blocks (i, j <= i) of P (times
+    scale) and of N = diag(beta) A into the workspaces.
 
     Per-channel decays only factor safely across sub-chunk boundaries (module docstring): with
     l_i the cumulative gate within sub-chunk i and e_u the sum of sub-chunk u's gates, j < i takes
         exp(G_t - G_s) = exp(l_i,t) * exp(e_j - l_j,s + e_{j+1} + ... + e_{i-1}),
-    both factors <= 1; the diagonal block splits at the sub-chunk's start (``_diag_block``). One
-    block per program keeps few tiles live: the whole chunk in one program (2 warps) held the
-    decayed tiles of three sub-chunks and spilled 3 KB per thread."""
+    both factors <= 1; the diagonal block splits at the sub-chunk's start (``_diag_block``). The
+    program walks j from i - 1 down to 0, so that e_{j+1} + ... + e_{i-1} accumulates as it goes
+    and every sub-chunk's gate is computed once per program (with one program per block, the
+    blocks between j and i recomputed the gates of the sub-chunks between them: twice the
+    transcendentals). Only sub-chunk i's decayed tiles and one column sub-chunk are live: the whole
+    chunk in one program (2 warps) held three sub-chunks' decayed tiles and spilled 3 KB per
+    thread. Grid axis 2 runs the longest rows (i = 3, four blocks) first."""
     tl.static_assert(C == 4 * SUB)
     i_c, hv = _chunk_program(HV)
-    blk = tl.program_id(2)  # axis 1 has size 1
-    i = (blk >= 1).to(tl.int32) + (blk >= 3).to(tl.int32) + (blk >= 6).to(tl.int32)
-    j = blk - i * (i + 1) // 2
+    i = 3 - tl.program_id(2)  # axis 1 has size 1
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     L = tl.minimum(eos - t0, C).to(tl.int32)
     if live & (i * SUB < L):
@@ -499,19 +501,22 @@ def _kda_block_kernel(
         qi, ki, rqi, rki, li, ei, bi = _load_sub(
             q, k, g, beta, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
             K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-        if i == j:
-            A_blk, P_blk = _diag_block(qi, ki, rqi, rki, li, PREC_ACC, FACTOR_SPAN)
-        else:
-            qj, kj, rqj, rkj, lj, ej, bj = _load_sub(  # q, beta of j unused (not loaded)
+        f = tl.exp(li)
+        kr = _decayed(ki, rki, f)
+        qr = _decayed(qi, rqi, f)
+        A_blk, P_blk = _diag_block(qi, ki, rqi, rki, li, kr, qr, PREC_ACC, FACTOR_SPAN)
+        _store_block(P_ws, scale * P_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
+        _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
+        span = tl.zeros([BK], dtype=tl.float32)  # e_{j+1} + ... + e_{i-1}
+        for step in range(0, i):
+            j = i - 1 - step
+            _, kj, _, rkj, lj, ej, _ = _load_sub(  # q and beta of sub-chunk j unused (not loaded)
                 q, k, g, beta, t0, j * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
                 K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
-            for u in range(j + 1, i):  # the sub-chunks between j and i
-                r = u * SUB + tl.arange(0, SUB)
-                ej += tl.sum(_log_decay_rows(g, t0 + r, r < L, s_gt, s_gk, A, dt_bias, lower_bound, 0,
-                                             K, BK, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE), 0)
-            A_blk, P_blk = _block_products(qi, ki, rqi, rki, li, _decayed(kj, rkj, tl.exp(ej[None, :] - lj)), PREC_ACC)
-        _store_block(P_ws, scale * P_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
-        _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
+            A_blk, P_blk = _block_products(kr, qr, _decayed(kj, rkj, tl.exp((ej + span)[None, :] - lj)), PREC_ACC)
+            _store_block(P_ws, scale * P_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
+            _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
+            span += ej
 
 
 @triton.jit
@@ -844,10 +849,11 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     intra_flags = {key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS",
                                                 "FUSED_GATE", "HAS_DT_BIAS", "SAFE_GATE")}
     if per_channel:
-        # Warps timed on an H200 (bf16, 4 x 8192, fused gates): 2 warps 5.82 ms, 4 warps 10.7, 8 20.1.
+        # Warps timed on an H200 (bf16, 4 x 8192, fused gates) with one 16 x 16 block per program:
+        # 2 warps 5.82 ms, 4 warps 10.7, 8 20.1 (not re-timed with one row of blocks per program).
         # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
         # an sm_90 compile against 216 with 2 (not timed).
-        _kda_block_kernel[grid + (1, 10)](
+        _kda_block_kernel[grid + (1, 4)](
             *intra_args, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
             num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **intra_flags)
         # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)

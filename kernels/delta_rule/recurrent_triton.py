@@ -346,11 +346,16 @@ def tile_split(K: int, BV: int, per_channel_gate: bool, op: str) -> dict:
 
     NORM_ON_ROWS: q's and k's l2norm and q's scale multiply whichever a lane holds fewer of, its
     rows or its channels of the vector (H200, B = 64, T = 4, GDN verify: 86.4 -> 82.6 us on the
-    rows; on the rows at B = 256, 32-column tiles, the bf16-pool decode went 161 -> 186 us)."""
+    rows; on the rows at B = 256, 32-column tiles, the bf16-pool decode went 161 -> 186 us).
+
+    A deferred verify on 32-column tiles (B >= 256) splits further, 8 lanes x 4 channels along K
+    and 4 lane groups along V (H200, GDN verify + commit, T = 2 / 4 / 8: fp32 B = 256 497 -> 476,
+    623 -> 560, 916 -> 792 us; bf16 B = 512 662 -> 632, 964 -> 869, 1657 -> 1393). Ops that store
+    states keep 16 lanes along K: the buffer protocol lost 2-6 % with 8 (shorter store runs)."""
     if per_channel_gate or op == "commit":
         LV, KL = 1, K
     else:
-        KL = min(K, 64)
+        KL = min(K, 32 if op == "deferred" and BV >= 32 else 64)
         LV = min(BV, 32 // (KL // 4))
     return dict(LV=LV, KL=KL, NORM_ON_ROWS=BV // LV < K // (KL // 4))
 
