@@ -470,12 +470,15 @@ def _kda_block_kernel(
     cu_seqlens, chunk_table, state_indices,
     P_ws, N_ws,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
+    G_ws,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
 ):
     """KDA, one (chunk, value head, row sub-chunk i): the 16 x 16 blocks (i, j <= i) of P (times
-    scale) and of N = diag(beta) A into the workspaces.
+    scale) and of N = diag(beta) A into the workspaces, and the sub-chunk's rows of G (the
+    cumulative log gate from the chunk's start, float32) into ``G_ws`` [T, HV, K], which the
+    W / U~ and state kernels read instead of recomputing the gate.
 
     Per-channel decays only factor safely across sub-chunk boundaries (module docstring): with
     l_i the cumulative gate within sub-chunk i and e_u the sum of sub-chunk u's gates, j < i takes
@@ -517,6 +520,8 @@ def _kda_block_kernel(
             _store_block(P_ws, scale * P_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
             _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
             span += ej
+        r = i * SUB + tl.arange(0, SUB)
+        _store_tile(G_ws, li + span[None, :], t0 + r, r < L, hv, 0, HV, K, BK)
 
 
 @triton.jit
@@ -537,7 +542,7 @@ def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws,
 def _delta_wu_kernel(
     k, v, g, beta, A_log, dt_bias, lower_bound,
     cu_seqlens, chunk_table, state_indices,
-    Minv_ws, W_ws, U_ws,
+    Minv_ws, W_ws, U_ws, G_ws,
     s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
@@ -546,7 +551,8 @@ def _delta_wu_kernel(
     HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr,
 ):
     """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
-    C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace."""
+    C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace
+    (and KDA's G from ``G_ws``; GDN's scalar G is recomputed from the gate)."""
     i_c, hv = _chunk_program(HV)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
@@ -570,9 +576,8 @@ def _delta_wu_kernel(
         if PER_CHANNEL:
             Mw = Minv * (b * rk)[None, :]
             for c0 in range(0, K, BT):
-                gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
-                                     K, BT, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
-                X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT).to(tl.float32) * tl.exp(tl.cumsum(gg, 0))
+                G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BT)
+                X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT).to(tl.float32) * tl.exp(G)
                 _store_tile(W_ws, _dot(Mw, X, PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
         else:
             # the scalar row factors go to M^-1's columns: the raw k tiles enter the product unrounded
@@ -593,13 +598,13 @@ def _delta_state_kernel(
     q, k, g, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
     num_seqs, segment_tokens, initial,
-    W_ws, U_ws, P_ws, out, pool,
+    W_ws, U_ws, P_ws, G_ws, out, pool,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk,
     s_ot, s_oh, s_ov, s_ps, s_ph, s_pv, s_pk, s_cn, s_cj, s_in, s_ih, s_iv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_VALUES: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, GATE_WS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_CKPT: tl.constexpr,
     SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
     PREC_FAST: tl.constexpr, PREC_ACC: tl.constexpr,
@@ -651,17 +656,23 @@ def _delta_state_kernel(
         for t0 in range(bos, eos, C):
             tok = t0 + rows
             rmask = tok < eos
-            gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
-                                 K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
-            if not PER_CHANNEL:
-                gg = gg.to(tl.float64)  # see _load_sub
-            G = tl.cumsum(gg, 0)
-            G_end = tl.sum(gg, 0)  # G at the chunk's last token (masked rows add zero)
-            if PER_CHANNEL and PREC_ACC == "tf32x3":
-                # G_C - G_t as the sum of the gates after t (module docstring, numerics)
-                G_after = tl.cumsum(gg, 0, reverse=True) - gg
-            else:
+            if GATE_WS:
+                # KDA's G from the block kernel; G_C is its row of the chunk's last token
+                G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, 0, K, BK)
+                G_end = tl.load(G_ws + ((tl.minimum(eos, t0 + C) - 1) * HV + hv) * K + ko, mask=kmask, other=0.0)
                 G_after = G_end - G
+            else:
+                gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
+                                     K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+                if not PER_CHANNEL:
+                    gg = gg.to(tl.float64)  # see _load_sub
+                G = tl.cumsum(gg, 0)
+                G_end = tl.sum(gg, 0)  # G at the chunk's last token (masked rows add zero)
+                if PER_CHANNEL:
+                    # float32 inputs: G_C - G_t as the sum of the gates after t (module docstring, numerics)
+                    G_after = tl.cumsum(gg, 0, reverse=True) - gg
+                else:
+                    G_after = G_end - G
 
             # U = U~ - W S
             ws_row = tok[:, None] * HV + hv
@@ -837,6 +848,8 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     U_ws = torch.empty(T, HV, V, dtype=torch.float32, device=device)
     P_ws = torch.empty(T, HV, C, dtype=ws_dtype, device=device)
     Minv_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
+    # KDA's cumulative log gate, written by the block kernel
+    G_ws = torch.empty(T, HV, K, dtype=torch.float32, device=device) if per_channel else Minv_ws
     common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
                   QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"],
                   **gate_flags)
@@ -854,7 +867,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
         # an sm_90 compile against 216 with 2 (not timed).
         _kda_block_kernel[grid + (1, 4)](
-            *intra_args, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
+            *intra_args, G_ws, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
             num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **intra_flags)
         # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
         _invert_kernel[grid](cu_seqlens, table, slots, Minv_ws, HV=HV, C=C, HAS_SLOTS=state_indices is not None,
@@ -866,7 +879,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: GDN 0.773 -> 0.739 ms, KDA
     # 1.050 -> 1.001); with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
     _delta_wu_kernel[grid](
-        k, v, g, beta, *gate_args, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws,
+        k, v, g, beta, *gate_args, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws,
         *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, num_warps=4,
         num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **common)
@@ -877,12 +890,14 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         q, k, g, A_log, dt_bias, lower_bound, recipe.scale,
         cu_seqlens, slots, has_initial_state if has_initial_state is not None else dummy_i32,
         ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0)
-    pool_args = (W_ws, U_ws, P_ws, out, state_pool if has_pool else U_ws,
+    pool_args = (W_ws, U_ws, P_ws, G_ws, out, state_pool if has_pool else U_ws,
                  *q.stride(), *k.stride(), *g.stride(), *out.stride(),
                  *(state_pool.stride() if has_pool else (0, 0, 0, 0)),
                  *(ckpt.stride() if ckpt is not None else (0, 0)))
+    # float32 inputs keep recomputing the gate in the state pass: its G_C - G_t is a reverse sum
     flags = dict(HAS_POOL=has_pool, HAS_INIT_FLAGS=has_pool and has_initial_state is not None,
-                 HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"], **common)
+                 HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"],
+                 GATE_WS=per_channel and prec["PREC_ACC"] != "tf32x3", **common)
 
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
     if not tokens:
