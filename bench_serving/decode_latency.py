@@ -5,7 +5,9 @@ Each step is captured once and replayed with L2 flushed before every replay (sta
 HBM, as they do in a model with dozens of layers). verify + commit is captured as one graph, with
 every sequence accepting all T tokens (the most state a commit can move). The ratio column is
 (verify + commit) over one decode step of the same batch: the deferred protocol should cost about
-one decode step (DESIGN section 4), the buffer and slots protocols write T states.
+one decode step (DESIGN section 4), the buffer and slots protocols write T states. The "copy
+ceiling" row copies a decode step's state bytes under the same replay (``copy_ceiling.py``): what
+the bandwidth targets are measured against.
 
 Peers (peers.py), each on the same inputs and first checked against the torch reference
 (DESIGN section 7 tolerances: 5e-3 with a float32 pool, 2e-2 with a bfloat16 one; one that
@@ -189,6 +191,7 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("decode-latency measures CUDA-graph replay: it needs a GPU")
         return 0
+    from .copy_ceiling import copy_ceiling  # Triton: present wherever CUDA torch is
     device = torch.device("cuda", torch.cuda.current_device())
     env = environment(device)
     print(f"bench_serving decode-latency on {env['gpu']}: torch {env['torch']}, triton {env['triton']}, {env['date']}")
@@ -218,6 +221,11 @@ def main(args) -> int:
                                      ms=decode_ms[name], TBps=state_bytes / (decode_ms[name] * 1e-3) / 1e12))
                     print(f"{model:12s} {state:9s} B{B:<4d} decode                {'cula-' + name:12s} "
                           f"{decode_ms[name] * 1e3:8.1f} us {rows[-1]['TBps']:6.2f} TB/s", flush=True)
+                ceiling_ms = copy_ceiling(B * shape["HV"] * shape["V"] * shape["K"], state_dtype, device)
+                rows.append(dict(model=model, state=state, B=B, op="decode", backend="copy ceiling", T=1,
+                                 ms=ceiling_ms, TBps=state_bytes / (ceiling_ms * 1e-3) / 1e12))
+                print(f"{model:12s} {state:9s} B{B:<4d} decode                {'copy ceiling':12s} "
+                      f"{ceiling_ms * 1e3:8.1f} us {rows[-1]['TBps']:6.2f} TB/s", flush=True)
                 first = decode_ms[backends[0]]
                 steps = _peer_steps(mode, kw, pool, slots, columns, 0, state_dtype, versions)
                 if steps:

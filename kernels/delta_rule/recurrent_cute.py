@@ -471,7 +471,12 @@ def _recurrent_kernel(
     raw = [_token_inputs(q, k, g, beta, i_n, cutlass.min(warp + j * WARPS, Int32(T - 1)), i_h, i_hv, lane * VEC,
                          VEC, OP, FAMILY, SAVED_U) for j in range(TOKENS_PER_WARP)]
     values_src = saved_u if cutlass.const_expr(OP == OP_COMMIT and SAVED_U) else v
-    values = [[Float32(values_src[i_n, t, i_hv, col0 + r]) for r in range(R)] for t in range(T)]
+    if cutlass.const_expr(OP == OP_DEFERRED):
+        # a deferred verify's lane needs the one column whose sums it holds (``_scatter_sum``):
+        # R - 1 fewer registers per token
+        values = [[Float32(v[i_n, t, i_hv, col0 + writer_row])] for t in range(T)]
+    else:
+        values = [[Float32(values_src[i_n, t, i_hv, col0 + r]) for r in range(R)] for t in range(T)]
     A = Float32(0.0)
     if cutlass.const_expr(FAMILY == LIGHTNING):
         A = cute.exp(Float32(g[0, 0, i_hv, 0]), fastmath=True)  # g is the decay [HV], viewed as [1, 1, HV, 1]
@@ -587,7 +592,7 @@ def _recurrent_kernel(
                 q_dots.append(_scatter_sum(_row_partials(S, query, R, CH), lane, G))
             us = []
             for t in cutlass.range_constexpr(T):
-                u_t = _pick(values[t], writer_row)
+                u_t = values[t][0]
                 if cutlass.const_expr(DELTA):
                     residual = u_t - k_dots[t]
                     for s_ in cutlass.range_constexpr(t):
