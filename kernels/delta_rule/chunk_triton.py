@@ -28,7 +28,9 @@ Launches per call: four for GDN, five for KDA (two more with segments, stage 3 b
    blocks (16-row blocks held in registers until the solve spilled: 1.80 ms against 0.98 for
    GDN 4 x 8192 on an H200). KDA, whose per-channel decays only factor safely across sub-chunk
    boundaries (below): ``_kda_block_kernel``, grid ((T // C + N) x HV, 1, 4), one 16-row block
-   of P and N per program, then ``_invert_kernel`` (one program per chunk and head, 2 warps).
+   of P and N per program, which also writes its rows of G (the chunk-local cumulative log gate,
+   float32 [T, HV, K]) for kernels 2 and 3, then ``_invert_kernel`` (one program per chunk and
+   head, 2 warps).
    The whole chunk's blocks in one program kept three sub-chunks' decayed tiles live and spilled
    3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 then).
 2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as
@@ -39,9 +41,11 @@ Launches per call: four for GDN, five for KDA (two more with segments, stage 3 b
    tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. The V tiles
    of a sequence and head run side by side (``segments.program_ids``), so q, k, W and P come
    from HBM once (H200, GDN 4 x 8192: 1.12 -> 1.02 ms against tiles in the slowest grid axis).
-   Per chunk it rereads q, k and the gate (recomputing l2norm, gate and cumulative sum is
-   cheaper than a workspace round trip of exp(G) Q and exp(G_C - G) K), reads W, U~, P and
-   applies the four products above. The state goes to memory only at the end (the pool slot)
+   Per chunk it rereads q and k (recomputing the l2norm and the decays exp(G) and exp(G_C - G)
+   is cheaper than a workspace round trip of the decayed Q and K: on an H200 the exponentials
+   and norms took 0.025 ms of KDA's 1.50 ms state pass at 4 x 8192), takes G (GDN's scalar gate
+   recomputed; KDA's from the block kernel's workspace, except with float32 inputs, numerics
+   below: recomputing it cost 0.9 of 2.4 ms), reads W, U~, P and applies the four products above. The state goes to memory only at the end (the pool slot)
    and at requested checkpoints; FLA's chunk_h writes every chunk's state, this never does.
    Where one long sequence (or a shard with few heads) would leave SMs idle, the sequences are
    cut into segments (``kernels.common.segments``): the same kernel first computes every
@@ -52,7 +56,7 @@ Launches per call: four for GDN, five for KDA (two more with segments, stage 3 b
 Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
 workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2;
 plus N written and read back before the solve: within one GDN program, mostly from L2; between
-KDA's two launches, 256 more bytes each way).
+KDA's two launches, 256 more bytes each way; KDA's G, 4 K bytes written once and read twice).
 With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
 workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
 heads).
