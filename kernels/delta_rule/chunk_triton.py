@@ -16,7 +16,8 @@ GDN is this with a scalar gate broadcast over the K channels; the W / U~ and sta
 shared and a constexpr (PER_CHANNEL) picks how a decay is applied. Only stage 1 differs, because
 a scalar decay can be applied after a product and a per-channel one cannot.
 
-Launches per call: four for GDN, five for KDA (two more with segments, stage 3 below).
+Launches per call: four for GDN, six for KDA (five with float32 inputs; two more with segments,
+stage 3 below).
 0. ``kernels.common.varlen.chunk_indices``: the (sequence, chunk) of every global chunk id, on
    the device (no host synchronisation).
 1. P and M^-1 of every chunk, all chunks independent. l2norm, the fused gate, the in-chunk
@@ -27,10 +28,11 @@ Launches per call: four for GDN, five for KDA (two more with segments, stage 3 b
    whole-chunk products (q k^T, k k^T) times one C x C decay matrix, then after a barrier the solve, reading N back in
    blocks (16-row blocks held in registers until the solve spilled: 1.80 ms against 0.98 for
    GDN 4 x 8192 on an H200). KDA, whose per-channel decays only factor safely across sub-chunk
-   boundaries (below): ``_kda_block_kernel``, grid ((T // C + N) x HV, 1, 4), one 16-row block
-   of P and N per program, which also writes its rows of G (the chunk-local cumulative log gate,
-   float32 [T, HV, K]) for kernels 2 and 3, then ``_invert_kernel`` (one program per chunk and
-   head, 2 warps).
+   boundaries (below): ``_kda_gate_kernel`` first writes G (the chunk-local cumulative log gate,
+   float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV,
+   1, 4), one 16-row block of P and N per program, its decays read from G (with float32 inputs
+   it computes the gates itself and writes G), then ``_invert_kernel`` (one program per chunk
+   and head, 2 warps).
    The whole chunk's blocks in one program kept three sub-chunks' decayed tiles live and spilled
    3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 then).
 2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as
@@ -121,6 +123,7 @@ EPS = tl.constexpr(L2NORM_EPS)
 FACTOR_SPAN = 80.0
 MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
 WU_TILE = 32  # columns of W and U~ per product in the W / U~ kernel
+GATE_TILE, GATE_WARPS = 64, 2  # channels and warps of a KDA gate program
 # Segments (kernels/common/segments.py): their transitions carry K more state columns, so few and
 # long pay best (H200, GDN 1 x 32768: 3.89 ns per token-head unsegmented, 3.50 in four segments,
 # 3.80 in five, 3.82 in 32); none shorter than 1024 tokens (each costs a [V, K] x [K, K] step).
@@ -401,27 +404,39 @@ def _gdn_intra_kernel(
 
 
 @triton.jit
-def _load_sub(q, k, g, beta, t0, row0, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt,
+def _load_sub(q, k, g, beta, G_ws, hv, t0, row0, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt,
               A, dt_bias, lower_bound,
-              K: tl.constexpr, BK: tl.constexpr, QK_L2NORM: tl.constexpr,
+              HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, QK_L2NORM: tl.constexpr,
               FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
-              BETA_LOGITS: tl.constexpr):
+              BETA_LOGITS: tl.constexpr, GATE_WS: tl.constexpr):
     """KDA: rows row0 .. row0 + 15 of the chunk starting at token t0 (L valid rows); the pointers
     are at the program's qk head (q, k) and value head (g, beta, dt_bias).
 
     Returns q, k [16, BK] as loaded, their inverse row norms [16], l [16, BK] float32: the
-    cumulative log gate from the sub-chunk's start, e [BK]: the sum of the sub-chunk's gates, and
-    beta [16].
+    cumulative log gate from the sub-chunk's start (zero on rows past L), e [BK]: the sum of the
+    sub-chunk's gates, and beta [16]. With GATE_WS, l and e are differences of the chunk's G
+    (``_kda_gate_kernel``) instead of a 16-row cumulative sum of the gates.
     """
     r = row0 + tl.arange(0, SUB)
     rmask = r < L
     tok = t0 + r
     qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
     kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
-    gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
-                         K, BK, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
     b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
-    return (qq, kk, _inv_norm(qq, QK_L2NORM), _inv_norm(kk, QK_L2NORM), tl.cumsum(gg, 0), tl.sum(gg, 0), b)
+    if GATE_WS:
+        ko = tl.arange(0, BK)
+        G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, 0, K, BK)
+        # G before the sub-chunk (zero at the chunk's start) and at its last valid row
+        start = tl.load(G_ws + ((t0 + row0 - 1) * HV + hv) * K + ko, mask=(ko < K) & (row0 > 0), other=0.0)
+        end = tl.load(G_ws + ((t0 + tl.minimum(row0 + SUB, L) - 1) * HV + hv) * K + ko, mask=ko < K, other=0.0)
+        l = tl.where(rmask[:, None], G - start[None, :], 0.0)
+        e = end - start
+    else:
+        gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
+                             K, BK, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+        l = tl.cumsum(gg, 0)
+        e = tl.sum(gg, 0)
+    return qq, kk, _inv_norm(qq, QK_L2NORM), _inv_norm(kk, QK_L2NORM), l, e, b
 
 
 @triton.jit
@@ -478,11 +493,14 @@ def _kda_block_kernel(
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
+    GATE_WS: tl.constexpr,
 ):
     """KDA, one (chunk, value head, row sub-chunk i): the 16 x 16 blocks (i, j <= i) of P (times
-    scale) and of N = diag(beta) A into the workspaces, and the sub-chunk's rows of G (the
-    cumulative log gate from the chunk's start, float32) into ``G_ws`` [T, HV, K], which the
-    W / U~ and state kernels read instead of recomputing the gate.
+    scale) and of N = diag(beta) A into the workspaces. ``G_ws`` [T, HV, K] holds G, the
+    cumulative log gate from the chunk's start (float32), for the W / U~ and state kernels: with
+    GATE_WS ``_kda_gate_kernel`` wrote it and the blocks' decays are read from it; without (float32
+    inputs, whose sums keep the gates' own order: module docstring) the program computes its
+    sub-chunks' gates and writes its rows of G.
 
     Per-channel decays only factor safely across sub-chunk boundaries (module docstring): with
     l_i the cumulative gate within sub-chunk i and e_u the sum of sub-chunk u's gates, j < i takes
@@ -506,8 +524,8 @@ def _kda_block_kernel(
         beta += hv * s_bh
         A, dt_bias = _head_gate(A_log, dt_bias, hv, K, True, FUSED_GATE)
         qi, ki, rqi, rki, li, ei, bi = _load_sub(
-            q, k, g, beta, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-            K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+            q, k, g, beta, G_ws, hv, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
+            lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
         f = tl.exp(li)
         kr = _decayed(ki, rki, f)
         qr = _decayed(qi, rqi, f)
@@ -518,14 +536,38 @@ def _kda_block_kernel(
         for step in range(0, i):
             j = i - 1 - step
             _, kj, _, rkj, lj, ej, _ = _load_sub(  # q and beta of sub-chunk j unused (not loaded)
-                q, k, g, beta, t0, j * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias, lower_bound,
-                K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS)
+                q, k, g, beta, G_ws, hv, t0, j * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
+                lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
             A_blk, P_blk = _block_products(kr, qr, _decayed(kj, rkj, tl.exp((ej + span)[None, :] - lj)), PREC_ACC)
             _store_block(P_ws, scale * P_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
             _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
             span += ej
-        r = i * SUB + tl.arange(0, SUB)
-        _store_tile(G_ws, li + span[None, :], t0 + r, r < L, hv, 0, HV, K, BK)
+        if not GATE_WS:
+            r = i * SUB + tl.arange(0, SUB)
+            _store_tile(G_ws, li + span[None, :], t0 + r, r < L, hv, 0, HV, K, BK)
+
+
+@triton.jit
+def _kda_gate_kernel(g, A_log, dt_bias, lower_bound, cu_seqlens, chunk_table, state_indices, G_ws, s_gt, s_gh, s_gk,
+                     HV: tl.constexpr, K: tl.constexpr, BKG: tl.constexpr, C: tl.constexpr,
+                     FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+                     HAS_SLOTS: tl.constexpr):
+    """KDA, one (chunk, value head, BKG channels): G, the cumulative log gate from the chunk's
+    start (float32), into ``G_ws`` [T, HV, K]. Once per chunk, so that the block kernel reads its
+    sub-chunks' decays instead of scanning each of them once per row block (ten 16-row scans
+    across warps per chunk: 0.25 of its 1.52 ms at KDA 4 x 8192 on an H200). This pass takes
+    about 0.26 ms there with 64 channels on 2 warps (32 on 1: 0.29; a thread per channel walking
+    the 64 rows instead of the scan: 0.27-0.52)."""
+    i_c, hv = _chunk_program(HV)
+    c0 = tl.program_id(1) * BKG
+    live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
+    if live:
+        tok = t0 + tl.arange(0, C)
+        rmask = tok < eos
+        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, True, FUSED_GATE)
+        gg = _log_decay_rows(g + hv * s_gh, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
+                             K, BKG, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+        _store_tile(G_ws, tl.cumsum(gg, 0), tok, rmask, hv, c0, HV, K, BKG)
 
 
 @triton.jit
@@ -852,8 +894,11 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     U_ws = torch.empty(T, HV, V, dtype=torch.float32, device=device)
     P_ws = torch.empty(T, HV, C, dtype=ws_dtype, device=device)
     Minv_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
-    # KDA's cumulative log gate, written by the block kernel
+    # KDA's cumulative log gate G: computed once by its own pass and read by the other kernels;
+    # float32 inputs keep the gates' own summation order (module docstring, numerics): the block
+    # kernel writes G and the state pass recomputes it
     G_ws = torch.empty(T, HV, K, dtype=torch.float32, device=device) if per_channel else Minv_ws
+    gate_ws = per_channel and prec["PREC_ACC"] != "tf32x3"
     common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
                   QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"],
                   **gate_flags)
@@ -866,13 +911,18 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     intra_flags = {key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS",
                                                 "FUSED_GATE", "HAS_DT_BIAS", "SAFE_GATE")}
     if per_channel:
+        if gate_ws:
+            _kda_gate_kernel[grid + (triton.cdiv(K, GATE_TILE),)](
+                g, *gate_args, cu_seqlens, table, slots, G_ws, *g.stride(), HV=HV, K=K, BKG=GATE_TILE, C=C,
+                HAS_SLOTS=state_indices is not None, num_warps=GATE_WARPS, num_stages=1,
+                **{key: common[key] for key in ("FUSED_GATE", "HAS_DT_BIAS", "SAFE_GATE")})
         # Warps timed on an H200 (bf16, 4 x 8192, fused gates) with one 16 x 16 block per program:
         # 2 warps 5.82 ms, 4 warps 10.7, 8 20.1 (not re-timed with one row of blocks per program).
         # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
         # an sm_90 compile against 216 with 2 (not timed).
         _kda_block_kernel[grid + (1, 4)](
             *intra_args, G_ws, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
-            num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **intra_flags)
+            GATE_WS=gate_ws, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **intra_flags)
         # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
         _invert_kernel[grid](cu_seqlens, table, slots, Minv_ws, HV=HV, C=C, HAS_SLOTS=state_indices is not None,
                              num_warps=2, num_stages=1)
@@ -898,10 +948,9 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
                  *q.stride(), *k.stride(), *g.stride(), *out.stride(),
                  *(state_pool.stride() if has_pool else (0, 0, 0, 0)),
                  *(ckpt.stride() if ckpt is not None else (0, 0)))
-    # float32 inputs keep recomputing the gate in the state pass: its G_C - G_t is a reverse sum
     flags = dict(HAS_POOL=has_pool, HAS_INIT_FLAGS=has_pool and has_initial_state is not None,
                  HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"],
-                 GATE_WS=per_channel and prec["PREC_ACC"] != "tf32x3", **common)
+                 GATE_WS=gate_ws, **common)
 
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
     if not tokens:
