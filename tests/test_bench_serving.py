@@ -31,8 +31,6 @@ def test_decode_latency_says_it_needs_a_gpu():
 def test_copy_ceiling_copies_every_element_and_nothing_past_the_end():
     """decode-latency's ceiling row times this copy: it must move every value of a buffer whose
     length is not a multiple of the block (here in Triton's interpreter) and write nothing beyond."""
-    import pytest
-    import torch
     pytest.importorskip("triton")
     from bench_serving.copy_ceiling import _streaming_copy
     n = 3 * 256 + 17
