@@ -916,8 +916,9 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
                 g, *gate_args, cu_seqlens, table, slots, G_ws, *g.stride(), HV=HV, K=K, BKG=GATE_TILE, C=C,
                 HAS_SLOTS=state_indices is not None, num_warps=GATE_WARPS, num_stages=1,
                 **{key: common[key] for key in ("FUSED_GATE", "HAS_DT_BIAS", "SAFE_GATE")})
-        # Warps timed on an H200 (bf16, 4 x 8192, fused gates) with one 16 x 16 block per program:
-        # 2 warps 5.82 ms, 4 warps 10.7, 8 20.1 (not re-timed with one row of blocks per program).
+        # Warps timed on an H200 (bf16, 4 x 8192, fused gates, one row of blocks per program, before
+        # the gate pass): 2 warps 1.46 ms against 4 warps 2.05; in a later run 2 warps 1.53 against
+        # 1 warp 1.71 and 2 warps with 2 stages 1.56.
         # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
         # an sm_90 compile against 216 with 2 (not timed).
         _kda_block_kernel[grid + (1, 4)](
