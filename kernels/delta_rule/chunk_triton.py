@@ -46,9 +46,9 @@ stage 3 below).
    Per chunk it rereads q and k (recomputing the l2norm and the decays exp(G) and exp(G_C - G)
    is cheaper than a workspace round trip of the decayed Q and K: on an H200 the exponentials
    and norms took 0.025 ms of KDA's 1.50 ms state pass at 4 x 8192), takes G (GDN's scalar gate
-   recomputed; KDA's from the block kernel's workspace, except with float32 inputs, numerics
-   below: recomputing it cost 0.9 of 2.4 ms), reads W, U~, P and applies the four products above. The state goes to memory only at the end (the pool slot)
-   and at requested checkpoints; FLA's chunk_h writes every chunk's state, this never does.
+   recomputed; KDA's read from its workspace, except with float32 inputs, numerics below:
+   recomputing it cost 0.9 of 2.4 ms), reads W, U~, P and applies the four products above.
+   The state goes to memory only at the end (the pool slot) and at requested checkpoints; FLA's chunk_h writes every chunk's state, this never does.
    Where one long sequence (or a shard with few heads) would leave SMs idle, the sequences are
    cut into segments (``kernels.common.segments``): the same kernel first computes every
    segment's state map with K map columns and no outputs, a small kernel composes them, and the
@@ -58,7 +58,8 @@ stage 3 below).
 Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
 workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2;
 plus N written and read back before the solve: within one GDN program, mostly from L2; between
-KDA's two launches, 256 more bytes each way; KDA's G, 4 K bytes written once and read twice).
+KDA's two launches, 256 more bytes each way; KDA's G, 4 K bytes written once and read by the
+later kernels).
 With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
 workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
 heads).
@@ -703,7 +704,7 @@ def _delta_state_kernel(
             tok = t0 + rows
             rmask = tok < eos
             if GATE_WS:
-                # KDA's G from the block kernel; G_C is its row of the chunk's last token
+                # KDA's G from its workspace; G_C is its row of the chunk's last token
                 G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, 0, K, BK)
                 G_end = tl.load(G_ws + ((tl.minimum(eos, t0 + C) - 1) * HV + hv) * K + ko, mask=kmask, other=0.0)
                 G_after = G_end - G
