@@ -139,9 +139,16 @@ SEGMENT_PROGRAMS_PER_SM = 1
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     """a @ b with float32 accumulation. PREC: "bf16" / "fp16" (operands rounded to that type),
-    or a float32 ``input_precision``: "tf32", "tf32x3", "ieee"."""
+    "bf16x2" (a exactly representable in bf16, b float32 split into bf16 high and low parts, two
+    products: b keeps 16 bits of mantissa, tf32 would keep 11), or a float32 ``input_precision``:
+    "tf32", "tf32x3", "ieee"."""
     if PREC == "bf16":
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16x2":
+        b_hi = b.to(tl.bfloat16)
+        b_lo = (b.to(tl.float32) - b_hi.to(tl.float32)).to(tl.bfloat16)
+        a16 = a.to(tl.bfloat16)
+        c = tl.dot(a16, b_hi) + tl.dot(a16, b_lo)
     elif PREC == "fp16":
         c = tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:

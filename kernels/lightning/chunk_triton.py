@@ -25,7 +25,8 @@ Precision follows ``kernels.delta_rule.chunk_triton.precisions`` (whose device h
 launch configuration this module shares): float32 inputs run every product in tf32x3 (float32
 accuracy on the tensor cores). bf16 inputs take Q K^T with the raw bf16 tiles (exact), Q S and
 (Q K^T) V with bf16 operands (their rounding stays below the bf16 output's own) and the state
-update K^T V in tf32 (the state carries its error across chunks). Row factors (l2norm, decays)
+update K^T V as "bf16x2" (the state carries its error across chunks: the raw k tile times the
+decayed v split into two bf16 parts, 16 bits of its mantissa kept); fp16 inputs take it in tf32. Row factors (l2norm, decays)
 are applied to the [C, C] matrix or to V, so q and k enter the tensor cores as loaded.
 """
 from __future__ import annotations
@@ -161,6 +162,11 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     device = q.device
     BK = max(triton.next_power_of_2(K), 16)
     prec = precisions(q.dtype)
+    if prec["PREC_IN"] == "bf16":
+        # k is exact in bf16, so the state update splits v's float32 factors instead of rounding
+        # to tf32: more accurate, and lighter on registers (H200, 64 heads bf16, device time per
+        # token-head: 4 x 8192 0.497 -> 0.472 ns, 8 x 1024 0.562 -> 0.542, TP4 1 x 8192 1.264 -> 1.116)
+        prec["PREC_ACC"] = "bf16x2"
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     dummy_i32 = torch.empty(1, dtype=torch.int32, device=device)
     has_pool = state_pool is not None

@@ -99,6 +99,19 @@ def test_varlen_model_shapes(mode, input_dtype, state_dtype):
     _assert_same_writes(pool, ref_pool, tol)
 
 
+@pytest.mark.parametrize("segment_tokens", [None, 512], ids=["whole", "segments"])
+def test_lightning_bf16_state_update_keeps_float32_accuracy(segment_tokens):
+    """bf16 inputs: Lightning's state update (the raw k tile times the decayed v in two bf16
+    parts) is the only rounding in its states, so the final states match the oracle to ~1e-5
+    (tf32 operands left ~5e-4). Model shapes, one long sequence among short ones."""
+    lens, slots, has_init = [4133, 5, 700], [3, 1, 6], [True, False, True]
+    kw = _inputs("lightning", sum(lens), torch.bfloat16, seed=12)
+    pool = _pool("lightning", torch.float32, [3, 6], seed=13)
+    _, _, ref_pool = _run_both("lightning", kw, pool, segment_tokens=segment_tokens,
+                               **_varlen_call(lens, slots, has_init))
+    _assert_same_writes(pool, ref_pool, 5e-5, "final states")
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("input_dtype,state_dtype", DTYPES, ids=DTYPE_IDS)
 def test_long_sequence(mode, input_dtype, state_dtype):
