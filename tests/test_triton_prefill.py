@@ -209,6 +209,20 @@ def test_v_tiles_mha_fp16(mode, generator):
     _assert_same_writes(pool, ref_pool, 5e-3)
 
 
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", MODES)
+def test_head_dim_256(mode, input_dtype, generator):
+    """K = 256 (the largest head dim): the sequential kernels' narrowest V tiles and 8 warps."""
+    shape = dict(H=1, HV=1, K=256, V=64)
+    lens, slots, has_init = [70, 1], [1, 0], [True, False]
+    kw = random_inputs(mode, (sum(lens),), **shape, dtype=input_dtype, generator=generator)
+    pool, call = _varlen_case(generator, shape, lens, slots, has_init)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
+    tol = tolerance(input_dtype, torch.float32)
+    assert_close(o, ref_o, tol)
+    _assert_same_writes(pool, ref_pool, tol)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_many_short_sequences(mode, generator):
     """24 sequences of 0 to 9 tokens (empty ones included: their slot gets the initial state, or

@@ -818,6 +818,11 @@ def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: 
     In that one wave each SM holds one or two programs that wait on their loads, so the loop
     prefetches the next chunk (two stages; GDN 1 x 32768 whole prefill 5.32 -> 4.77 ms, while
     4 x 8192 at BV = 64 went 3.21 -> 3.32 ms with two and keeps one).
+
+    float32 inputs at K > 128 take 4 warps: with 8 warps and V tiles of 16, Triton 3.6's sm_90
+    code for the tf32x3 products read out of bounds (GDN and KDA: illegal memory access; Lightning:
+    wrong outputs), while the interpreter ran the same kernels exactly; 4 warps computed correctly
+    (H200, K = 256, V = 128 and 256, against the float64 oracle).
     """
     BV = min(max(triton.next_power_of_2(V), 16), 64)
     one_wave = bool(heads) and heads * triton.cdiv(V, 32) <= num_sms
@@ -827,7 +832,8 @@ def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: 
         BV = min(BV, 32)
         if prec_fast != "bf16" and BK > 128:
             BV = min(BV, 16)
-        return dict(BV=BV, num_warps=4 if max(BK, BV) <= 64 else 8, num_stages=1)
+        wide = max(BK, BV) > 64 and prec_fast != "tf32x3"
+        return dict(BV=BV, num_warps=8 if wide else 4, num_stages=1)
     return dict(BV=BV, num_warps=4, num_stages=2 if one_wave else 1)
 
 

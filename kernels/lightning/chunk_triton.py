@@ -183,12 +183,14 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
                  HAS_INIT_FLAGS=has_pool and has_initial_state is not None, HAS_CKPT=ckpt is not None, **prec)
 
     launch = sequential_config(BK, V, prec["PREC_FAST"])
-    if prec["PREC_FAST"] == "bf16" and BK <= 128:
+    if prec["PREC_FAST"] == "bf16":
         # No product here waits on another chunk's loads (the delta rule's U = U~ - W S does), so
-        # prefetching two chunks ahead pays: H200, 64 heads, bf16, device time per token-head:
-        # 4 x 8192 0.650 -> 0.552 ns (2 stages 0.628, 4 stages 0.802), 8 x 1024 0.696 -> 0.620,
-        # TP4 16 heads 1 x 8192 (segmented) 1.438 -> 1.331.
-        launch = dict(launch, num_stages=3)
+        # prefetching the next chunk pays. H200, 64 heads, bf16, device time per token-head with
+        # the bf16x2 state update, 2 stages against 3: 4 x 8192 0.475 -> 0.423 ns, 8 x 1024 0.547
+        # -> 0.461, TP4 16 heads 1 x 8192 (segmented) 1.114 -> 1.019 (with the tf32 update three
+        # had won). At K = 256 one stage is also wrong: Triton 3.6's sm_90 code for it gave
+        # outputs off by 100% there (the interpreter ran it exactly); two compute correctly.
+        launch = dict(launch, num_stages=2)
     tokens = segments.segment_tokens(T, N, HV, V, num_sms, min_tokens=SEGMENT_MIN_TOKENS,
                                      programs_per_sm=SEGMENT_PROGRAMS_PER_SM, requested=segment_tokens)
     if not tokens:

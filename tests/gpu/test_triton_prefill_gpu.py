@@ -99,6 +99,27 @@ def test_varlen_model_shapes(mode, input_dtype, state_dtype):
     _assert_same_writes(pool, ref_pool, tol)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("K,V", [(256, 128), (256, 256), (64, 64)], ids=["k256", "k256v256", "k64"])
+def test_head_dims(mode, input_dtype, K, V):
+    """Head dims off the model shapes pick other V tiles, warps and stages (``sequential_config``);
+    K = 256 with 8 warps and 16-wide V tiles, or with one stage for Lightning, compiled to wrong
+    code in Triton 3.6 on sm_90. fp16 inputs run only here on the GPU."""
+    lens, slots, has_init = [300, 1, 700, 64], [3, 0, 1, 2], [True, False, True, True]
+    shape = dict(H=2, HV=4, K=K, V=V)
+    kw = random_inputs(mode, (sum(lens),), **shape, dtype=input_dtype, device=DEVICE,
+                       generator=torch.Generator().manual_seed(K + V))
+    pool = torch.full((5, 4, V, K), float("nan"), device=DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    for slot in (3, 1, 2):
+        pool[slot] = 0.5 * torch.randn(4, V, K, generator=g, device=DEVICE)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, has_init))
+    tol = tolerance(input_dtype, torch.float32)
+    assert_close(o, ref_o, tol)
+    _assert_same_writes(pool, ref_pool, tol)
+
+
 @pytest.mark.parametrize("segment_tokens", [None, 512], ids=["whole", "segments"])
 def test_lightning_bf16_state_update_keeps_float32_accuracy(segment_tokens):
     """bf16 inputs: Lightning's state update (the raw k tile times the decayed v in two bf16
