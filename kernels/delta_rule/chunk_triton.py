@@ -832,7 +832,7 @@ def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: 
         BV = min(BV, 32)
         if prec_fast != "bf16" and BK > 128:
             BV = min(BV, 16)
-        wide = max(BK, BV) > 64 and prec_fast != "tf32x3"
+        wide = max(BK, BV) > 64 and not (prec_fast == "tf32x3" and BK > 128)
         return dict(BV=BV, num_warps=8 if wide else 4, num_stages=1)
     return dict(BV=BV, num_warps=4, num_stages=2 if one_wave else 1)
 
