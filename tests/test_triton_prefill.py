@@ -212,7 +212,8 @@ def test_v_tiles_mha_fp16(mode, generator):
 @pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("mode", MODES)
 def test_head_dim_256(mode, input_dtype, generator):
-    """K = 256 (the largest head dim): the sequential kernels' narrowest V tiles and 8 warps."""
+    """K = 256 (the largest head dim): the sequential kernels' narrowest V tiles
+    (``sequential_config``)."""
     shape = dict(H=1, HV=1, K=256, V=64)
     lens, slots, has_init = [70, 1], [1, 0], [True, False]
     kw = random_inputs(mode, (sum(lens),), **shape, dtype=input_dtype, generator=generator)

@@ -26,8 +26,9 @@ launch configuration this module shares): float32 inputs run every product in tf
 accuracy on the tensor cores). bf16 inputs take Q K^T with the raw bf16 tiles (exact), Q S and
 (Q K^T) V with bf16 operands (their rounding stays below the bf16 output's own) and the state
 update K^T V as "bf16x2" (the state carries its error across chunks: the raw k tile times the
-decayed v split into two bf16 parts, 16 bits of its mantissa kept); fp16 inputs take it in tf32. Row factors (l2norm, decays)
-are applied to the [C, C] matrix or to V, so q and k enter the tensor cores as loaded.
+decayed v split into two bf16 parts, 16 bits of its mantissa kept); fp16 inputs take it in tf32.
+Row factors (l2norm, decays) are applied to the [C, C] matrix or to V, so q and k enter the
+tensor cores as loaded.
 """
 from __future__ import annotations
 
