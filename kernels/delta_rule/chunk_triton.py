@@ -95,10 +95,14 @@ Precision. Arithmetic and the state are float32. Products follow the inputs' dty
   - float32 inputs: every product is "tf32x3" (float32 accuracy on the tensor cores).
   - bf16 inputs: products whose operands are both raw inputs (GDN's q k^T and k k^T, with the
     l2norm and decay applied to the 16 x 16 result) use bf16 operands, exact. Products whose
-    error is amplified (KDA's decayed A and P, M^-1 times K and V, P U, K^T U: U = U~ - W S is a
-    difference of close terms) use tf32. W S and (exp(G) Q) S use bf16 operands: their rounding
-    stays below the bf16 output's own. The workspace holds W and P in bf16, U~ in float32.
-  - fp16 inputs: as bf16 with fp16 for the raw-input products and tf32 in place of bf16.
+    error is amplified (KDA's decayed A and P, KDA's M^-1 times decayed K, P U, K^T U: U = U~ - W S
+    is a difference of close terms) use tf32. M^-1 times V, and GDN's M^-1 times K, take "bf16x2"
+    (the raw tile exact, M^-1 split into two bf16 parts: 16 bits of its mantissa, tf32 keeps 11;
+    H200, 4 x 8192: GDN's W / U~ kernel 0.670 -> 0.582 ms, KDA's 0.758 -> 0.713). In the state pass
+    the same split of U lost (GDN 1.02 -> 1.08-1.17 ms), so P U and K^T U stay tf32. W S and
+    (exp(G) Q) S use bf16 operands: their rounding stays below the bf16 output's own. The
+    workspace holds W and P in bf16, U~ in float32.
+  - fp16 inputs: as bf16 with fp16 for the raw-input products and tf32 in place of bf16 and bf16x2.
   - the 16 x 16 products of the triangular solve are always IEEE float32.
 Scalar row factors (l2norm, GDN's gate, beta) are folded into the smaller operand of each
 product, so raw input tiles enter the tensor cores unrounded.
@@ -139,16 +143,21 @@ SEGMENT_PROGRAMS_PER_SM = 1
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     """a @ b with float32 accumulation. PREC: "bf16" / "fp16" (operands rounded to that type),
-    "bf16x2" (a exactly representable in bf16, b float32 split into bf16 high and low parts, two
-    products: b keeps 16 bits of mantissa, tf32 would keep 11), or a float32 ``input_precision``:
-    "tf32", "tf32x3", "ieee"."""
+    "bf16x2" (one operand a bf16 tile, exact, the other float32 and split into bf16 high and low
+    parts, two products: it keeps 16 bits of mantissa, tf32 would keep 11), or a float32
+    ``input_precision``: "tf32", "tf32x3", "ieee"."""
     if PREC == "bf16":
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PREC == "bf16x2":
-        b_hi = b.to(tl.bfloat16)
-        b_lo = (b.to(tl.float32) - b_hi.to(tl.float32)).to(tl.bfloat16)
-        a16 = a.to(tl.bfloat16)
-        c = tl.dot(a16, b_hi) + tl.dot(a16, b_lo)
+        if a.dtype == tl.bfloat16:
+            b_hi = b.to(tl.bfloat16)
+            b_lo = (b.to(tl.float32) - b_hi.to(tl.float32)).to(tl.bfloat16)
+            c = tl.dot(a, b_hi) + tl.dot(a, b_lo)
+        else:
+            tl.static_assert(b.dtype == tl.bfloat16, "bf16x2: one operand must be a bf16 tile")
+            a_hi = a.to(tl.bfloat16)
+            a_lo = (a.to(tl.float32) - a_hi.to(tl.float32)).to(tl.bfloat16)
+            c = tl.dot(a_hi, b) + tl.dot(a_lo, b)
     elif PREC == "fp16":
         c = tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:
@@ -602,7 +611,7 @@ def _delta_wu_kernel(
     BK: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_RAW: tl.constexpr,
 ):
     """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
     C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace
@@ -621,7 +630,7 @@ def _delta_wu_kernel(
         Mb = Minv * b[None, :]
         for c0 in range(0, V, BT):
             vv = _load_tile(v + hv * s_vh, tok, rmask, s_vt, s_vv, c0, V, BT)
-            _store_tile(U_ws, _dot(Mb, vv, PREC_ACC), tok, rmask, hv, c0, HV, V, BT)
+            _store_tile(U_ws, _dot(Mb, vv, PREC_RAW), tok, rmask, hv, c0, HV, V, BT)
 
         A, dt_bias = _head_gate(A_log, dt_bias, hv, K, PER_CHANNEL, FUSED_GATE)
         k += (hv // GROUP) * s_kh
@@ -640,7 +649,7 @@ def _delta_wu_kernel(
             Mw = Minv * (b * rk * tl.exp(tl.cumsum(gg.to(tl.float64), 0).to(tl.float32)))[None, :]
             for c0 in range(0, K, BT):
                 X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT)
-                _store_tile(W_ws, _dot(Mw, X, PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
+                _store_tile(W_ws, _dot(Mw, X, PREC_RAW), tok, rmask, hv, c0, HV, K, BT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -790,16 +799,17 @@ def _gate_params(recipe: Recipe, device):
 
 def precisions(dtype: torch.dtype) -> dict:
     """Product precisions for inputs of ``dtype`` (module docstring): PREC_IN for products of two
-    raw inputs, PREC_ACC where errors are amplified, PREC_FAST for W S and Q S.
+    raw inputs, PREC_ACC where errors are amplified, PREC_RAW where they are amplified and one
+    operand is a raw input tile, PREC_FAST for W S and Q S.
 
     float32 inputs take "tf32x3" (three tf32 products: float32 accuracy on the tensor cores;
     IEEE products lower to CUDA-core FMAs whose unrolled code spills heavily, and were no more
     accurate on an H200). The interpreter computes it exactly."""
     if dtype == torch.float32:
-        return dict(PREC_IN="tf32x3", PREC_ACC="tf32x3", PREC_FAST="tf32x3")
+        return dict(PREC_IN="tf32x3", PREC_ACC="tf32x3", PREC_RAW="tf32x3", PREC_FAST="tf32x3")
     if dtype == torch.float16:
-        return dict(PREC_IN="fp16", PREC_ACC="tf32", PREC_FAST="tf32")
-    return dict(PREC_IN="bf16", PREC_ACC="tf32", PREC_FAST="bf16")
+        return dict(PREC_IN="fp16", PREC_ACC="tf32", PREC_RAW="tf32", PREC_FAST="tf32")
+    return dict(PREC_IN="bf16", PREC_ACC="tf32", PREC_RAW="bf16x2", PREC_FAST="bf16")
 
 
 def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: int = 0) -> dict:
@@ -950,7 +960,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     _delta_wu_kernel[grid](
         k, v, g, beta, *gate_args, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws,
         *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, num_warps=4,
+        V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"], num_warps=4,
         num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **common)
 
     has_pool = state_pool is not None

@@ -61,7 +61,7 @@ def _lightning_kernel(
     C: tl.constexpr, QK_L2NORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_CKPT: tl.constexpr,
     SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
-    PREC_IN: tl.constexpr, PREC_FAST: tl.constexpr, PREC_ACC: tl.constexpr,
+    PREC_IN: tl.constexpr, PREC_FAST: tl.constexpr, PREC_RAW: tl.constexpr,
 ):
     """One (sequence or segment, value head, V tile): S0, then per chunk the output and the
     state update of the module docstring.
@@ -120,7 +120,7 @@ def _lightning_kernel(
                 tl.store(out + tok[:, None] * s_ot, o.to(out.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
             # distances clamped at 0: rows past L hold zero k and v, and must not overflow to inf * 0
             v_dec = vv.to(tl.float32) * (rk * tl.exp(tl.maximum(L - 1.0 - t, 0.0) * d))[:, None]
-            S = S * tl.exp(L * d) + _dot(tl.trans(kk), v_dec, PREC_ACC)
+            S = S * tl.exp(L * d) + _dot(tl.trans(kk), v_dec, PREC_RAW)
             if HAS_CKPT and not TRANSITION:
                 # the state after (j + 1) * checkpoint_every tokens of the sequence, at full chunk ends only
                 done = t0 + C - seq_bos
@@ -163,11 +163,6 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     device = q.device
     BK = max(triton.next_power_of_2(K), 16)
     prec = precisions(q.dtype)
-    if prec["PREC_IN"] == "bf16":
-        # k is exact in bf16, so the state update splits v's float32 factors instead of rounding
-        # to tf32: more accurate, and lighter on registers (H200, 64 heads bf16, device time per
-        # token-head: 4 x 8192 0.497 -> 0.472 ns, 8 x 1024 0.562 -> 0.542, TP4 1 x 8192 1.264 -> 1.116)
-        prec["PREC_ACC"] = "bf16x2"
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     dummy_i32 = torch.empty(1, dtype=torch.int32, device=device)
     has_pool = state_pool is not None
@@ -181,7 +176,11 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
             *(state_pool.stride() if has_pool else (0, 0, 0, 0)), *(ckpt.stride() if ckpt is not None else (0, 0)))
     flags = dict(GROUP=HV // H, K=K, V=V, BK=BK, C=C, QK_L2NORM=recipe.qk_l2norm,
                  HAS_SLOTS=state_indices is not None, HAS_POOL=has_pool,
-                 HAS_INIT_FLAGS=has_pool and has_initial_state is not None, HAS_CKPT=ckpt is not None, **prec)
+                 HAS_INIT_FLAGS=has_pool and has_initial_state is not None, HAS_CKPT=ckpt is not None,
+                 # the state update is the raw k tile times the decayed v: PREC_RAW, "bf16x2" for bf16
+                 # inputs (more accurate than tf32 and lighter on registers; H200, 64 heads, device
+                 # time per token-head: 4 x 8192 0.497 -> 0.472 ns, TP4 1 x 8192 1.264 -> 1.116)
+                 PREC_IN=prec["PREC_IN"], PREC_FAST=prec["PREC_FAST"], PREC_RAW=prec["PREC_RAW"])
 
     launch = sequential_config(BK, V, prec["PREC_FAST"])
     if prec["PREC_FAST"] == "bf16":
