@@ -728,7 +728,7 @@ def _delta_state_kernel(
                 gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
                                      K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
                 if not PER_CHANNEL:
-                    gg = gg.to(tl.float64)  # see _load_sub
+                    gg = gg.to(tl.float64)  # GDN's sums in float64: module docstring, numerics
                 G = tl.cumsum(gg, 0)
                 G_end = tl.sum(gg, 0)  # G at the chunk's last token (masked rows add zero)
                 if PER_CHANNEL:
