@@ -379,6 +379,39 @@ def test_strided_inputs_pool_and_out(mode, generator):
     assert torch.isnan(base[:, 1]).all(), "the other half of the strided pool was written"
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["descriptors", "pointers"])
+def test_lightning_strided_inputs_and_out(aligned, generator):
+    """Lightning's q, k, v sliced from one fused projection and ``out`` a strided view, both ways
+    its kernel moves rows: through descriptors (rows 16-byte aligned, last dims contiguous) and,
+    when they cannot be built, through masked pointers (odd row stride, k with strided head
+    vectors, ``out`` with a strided last dim)."""
+    from cula_serve.kernels.common.tma import descriptor_ready
+
+    lens, H, HV, K, V = [70, 20], 2, 4, 32, 32
+    T = sum(lens)
+    fused = torch.randn(T, 2 * H * K + HV * V + (8 if aligned else 3), generator=generator).bfloat16()
+    q = fused[:, :H * K].unflatten(-1, (H, K))
+    if aligned:
+        k = fused[:, H * K:2 * H * K].unflatten(-1, (H, K))
+        out = torch.full((T, HV, V + 8), float("nan"), dtype=torch.bfloat16)[..., :V]
+    else:
+        k = fused[:, H * K:2 * H * K].unflatten(-1, (K, H)).transpose(-1, -2)
+        out = torch.full((T, HV, V, 2), float("nan"), dtype=torch.bfloat16)[..., 0]
+    v = fused[:, 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    assert descriptor_ready(q, k, v, out) == aligned and not q.is_contiguous() and not out.is_contiguous()
+    kw = dict(q=q, k=k, v=v, decay=-torch.rand(HV, generator=generator), use_qk_l2norm_in_kernel=True)
+    pool = torch.full((POOL_SIZE, HV, V, K), float("nan"))
+    pool[4] = torch.randn(HV, V, K, generator=generator)
+    pool[1] = torch.randn(HV, V, K, generator=generator)
+    call = dict(cu_seqlens=_cu(lens), state_indices=torch.tensor([4, 1], dtype=torch.int32))
+    ref_pool = pool.double()
+    o, _ = _call("lightning", kw, state_pool=pool, out=out, **call, **TRITON)
+    ref_o, _ = _call("lightning", to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
+    assert o is out
+    assert_close(o, ref_o, 5e-3)
+    _assert_same_writes(pool, ref_pool, 5e-3)
+
+
 def test_chunk_indices(generator):
     """The device-side chunk table: every chunk of every sequence once, in packed order, then -1."""
     lens = torch.randint(0, 200, (150,), generator=generator).tolist()

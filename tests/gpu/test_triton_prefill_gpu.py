@@ -256,6 +256,36 @@ def test_strided_inputs_and_pool(mode):
     assert torch.isnan(base[:, 1]).all(), "the other half of the strided pool was written"
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["descriptors", "pointers"])
+def test_lightning_strided_inputs_and_out(aligned):
+    """Lightning's q, k, v sliced from one fused projection into a strided ``out``: through
+    descriptors (rows 16-byte aligned: TMA on sm_90) and through masked pointers (odd row stride,
+    strided last dim of ``out``); an empty sequence among them."""
+    from cula_serve.kernels.common.tma import descriptor_ready
+
+    lens, slots = [333, 0, 20, 700], [4, 3, 1, 6]
+    s = SHAPES["lightning"]
+    H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
+    T = sum(lens)
+    gen = torch.Generator(device=DEVICE).manual_seed(14)
+    fused = torch.randn(T, 2 * H * K + HV * V + (8 if aligned else 3), generator=gen, device=DEVICE).bfloat16()
+    q = fused[:, :H * K].unflatten(-1, (H, K))
+    k = fused[:, H * K:2 * H * K].unflatten(-1, (H, K))
+    v = fused[:, 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    out = torch.full((T, HV, V, 2), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = out[..., 0] if not aligned else out.flatten(-2)[..., :V]
+    assert descriptor_ready(q, k, v, out) == aligned
+    kw = dict(q=q, k=k, v=v, decay=-torch.rand(HV, generator=gen, device=DEVICE), use_qk_l2norm_in_kernel=True)
+    pool = _pool("lightning", torch.float32, slots, seed=15)
+    call = _varlen_call(lens, slots, [True] * len(lens))
+    ref_pool = pool.double()
+    o, _ = _call("lightning", kw, state_pool=pool, out=out, **call, **TRITON)
+    ref_o, _ = _call("lightning", to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
+    assert o is out
+    assert_close(o, ref_o, 5e-3)
+    _assert_same_writes(pool, ref_pool, 5e-3)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tokens", [0, 256], ids=["whole", "segments"])
 def test_cuda_graph_prefill(mode, tokens):
