@@ -441,11 +441,10 @@ def _load_sub(q, k, g, beta, G_ws, hv, t0, row0, L, s_qt, s_qk, s_kt, s_kk, s_gt
     kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
     b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
     if GATE_WS:
-        ko = tl.arange(0, BK)
         G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, 0, K, BK)
         # G before the sub-chunk (zero at the chunk's start) and at its last valid row
-        start = tl.load(G_ws + ((t0 + row0 - 1) * HV + hv) * K + ko, mask=(ko < K) & (row0 > 0), other=0.0)
-        end = tl.load(G_ws + ((t0 + tl.minimum(row0 + SUB, L) - 1) * HV + hv) * K + ko, mask=ko < K, other=0.0)
+        start = _gate_row(G_ws, t0 + row0 - 1, row0 > 0, hv, HV, K, BK)
+        end = _gate_row(G_ws, t0 + tl.minimum(row0 + SUB, L) - 1, True, hv, HV, K, BK)
         l = tl.where(rmask[:, None], G - start[None, :], 0.0)
         e = end - start
     else:
@@ -454,6 +453,14 @@ def _load_sub(q, k, g, beta, G_ws, hv, t0, row0, L, s_qt, s_qk, s_kt, s_kk, s_gt
         l = tl.cumsum(gg, 0)
         e = tl.sum(gg, 0)
     return qq, kk, _inv_norm(qq, QK_L2NORM), _inv_norm(kk, QK_L2NORM), l, e, b
+
+
+@triton.jit
+def _gate_row(G_ws, tok, live, hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Token ``tok``'s row of KDA's G workspace [T, HV, K] at value head ``hv``: [BK] float32,
+    zero where not ``live`` and past K."""
+    ko = tl.arange(0, BK)
+    return tl.load(G_ws + (tok * HV + hv) * K + ko, mask=(ko < K) & live, other=0.0)
 
 
 @triton.jit
@@ -722,7 +729,7 @@ def _delta_state_kernel(
             if GATE_WS:
                 # KDA's G from its workspace; G_C is its row of the chunk's last token
                 G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, 0, K, BK)
-                G_end = tl.load(G_ws + ((tl.minimum(eos, t0 + C) - 1) * HV + hv) * K + ko, mask=kmask, other=0.0)
+                G_end = _gate_row(G_ws, tl.minimum(eos, t0 + C) - 1, True, hv, HV, K, BK)
                 G_after = G_end - G
             else:
                 gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
