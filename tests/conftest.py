@@ -37,6 +37,23 @@ def poisoned_pool(P, HV, V, K, dtype, live_slots, generator) -> torch.Tensor:
     return pool
 
 
+def lightning_strided_views(T, H, HV, K, V, aligned, generator, device="cpu"):
+    """Lightning's q [T, H, K], k, v [T, HV, V] sliced from one fused bf16 projection and a NaN
+    ``out`` view [T, HV, V], laid out for each of its kernel's row paths. aligned: rows 16-byte
+    aligned with contiguous last dims (descriptors). Not aligned: an odd row stride, k with
+    strided head vectors, ``out`` with a strided last dim (masked pointers)."""
+    fused = torch.randn(T, 2 * H * K + HV * V + (8 if aligned else 3), generator=generator, device=device).bfloat16()
+    q = fused[:, :H * K].unflatten(-1, (H, K))
+    keys = fused[:, H * K:2 * H * K]
+    k = keys.unflatten(-1, (H, K)) if aligned else keys.unflatten(-1, (K, H)).transpose(-1, -2)
+    v = fused[:, 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    if aligned:
+        out = torch.full((T, HV, 2 * V), float("nan"), dtype=torch.bfloat16, device=device)[..., :V]
+    else:
+        out = torch.full((T, HV, V, 2), float("nan"), dtype=torch.bfloat16, device=device)[..., 0]
+    return q, k, v, out
+
+
 def oracle_pool(pool: torch.Tensor) -> torch.Tensor:
     return pool.double().clone()
 

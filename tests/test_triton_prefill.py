@@ -26,7 +26,8 @@ from cula_serve.kernels.common.varlen import chunk_indices  # noqa: E402
 from cula_serve.kernels.delta_rule.chunk_triton import _dot  # noqa: E402
 from cula_serve.inputs import relative_error  # noqa: E402
 
-from conftest import ORACLE, assert_close, random_inputs, to_float64, tolerance  # noqa: E402
+from conftest import (ORACLE, assert_close, lightning_strided_views, random_inputs, to_float64,  # noqa: E402
+                      tolerance)
 
 if triton_backend.availability(torch.device("cpu")):
     pytest.skip("the triton backend needs TRITON_INTERPRET=1 on the CPU (set before triton was imported)",
@@ -388,16 +389,7 @@ def test_lightning_strided_inputs_and_out(aligned, generator):
     from cula_serve.kernels.common.tma import descriptor_ready
 
     lens, H, HV, K, V = [70, 20], 2, 4, 32, 32
-    T = sum(lens)
-    fused = torch.randn(T, 2 * H * K + HV * V + (8 if aligned else 3), generator=generator).bfloat16()
-    q = fused[:, :H * K].unflatten(-1, (H, K))
-    if aligned:
-        k = fused[:, H * K:2 * H * K].unflatten(-1, (H, K))
-        out = torch.full((T, HV, V + 8), float("nan"), dtype=torch.bfloat16)[..., :V]
-    else:
-        k = fused[:, H * K:2 * H * K].unflatten(-1, (K, H)).transpose(-1, -2)
-        out = torch.full((T, HV, V, 2), float("nan"), dtype=torch.bfloat16)[..., 0]
-    v = fused[:, 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    q, k, v, out = lightning_strided_views(sum(lens), H, HV, K, V, aligned, generator)
     assert descriptor_ready(q, k, v, out) == aligned and not q.is_contiguous() and not out.is_contiguous()
     kw = dict(q=q, k=k, v=v, decay=-torch.rand(HV, generator=generator), use_qk_l2norm_in_kernel=True)
     pool = torch.full((POOL_SIZE, HV, V, K), float("nan"))

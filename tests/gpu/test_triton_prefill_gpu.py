@@ -16,7 +16,7 @@ import torch
 from cula_serve import cula_gdn, cula_kda, cula_lightning
 from cula_serve.inputs import MODE_SHAPES, random_inputs, to_float64
 
-from conftest import ORACLE, assert_close, skip_module_unless_gpu, tolerance
+from conftest import ORACLE, assert_close, lightning_strided_views, skip_module_unless_gpu, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -259,23 +259,16 @@ def test_strided_inputs_and_pool(mode):
 @pytest.mark.parametrize("aligned", [True, False], ids=["descriptors", "pointers"])
 def test_lightning_strided_inputs_and_out(aligned):
     """Lightning's q, k, v sliced from one fused projection into a strided ``out``: through
-    descriptors (rows 16-byte aligned: TMA on sm_90) and through masked pointers (odd row stride,
-    strided last dim of ``out``); an empty sequence among them."""
+    descriptors (rows 16-byte aligned: TMA on sm_90) and through masked pointers
+    (``lightning_strided_views``); an empty sequence among them."""
     from cula_serve.kernels.common.tma import descriptor_ready
 
     lens, slots = [333, 0, 20, 700], [4, 3, 1, 6]
     s = SHAPES["lightning"]
-    H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
-    T = sum(lens)
     gen = torch.Generator(device=DEVICE).manual_seed(14)
-    fused = torch.randn(T, 2 * H * K + HV * V + (8 if aligned else 3), generator=gen, device=DEVICE).bfloat16()
-    q = fused[:, :H * K].unflatten(-1, (H, K))
-    k = fused[:, H * K:2 * H * K].unflatten(-1, (H, K))
-    v = fused[:, 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
-    out = torch.full((T, HV, V, 2), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    out = out[..., 0] if not aligned else out.flatten(-2)[..., :V]
+    q, k, v, out = lightning_strided_views(sum(lens), s["H"], s["HV"], s["K"], s["V"], aligned, gen, DEVICE)
     assert descriptor_ready(q, k, v, out) == aligned
-    kw = dict(q=q, k=k, v=v, decay=-torch.rand(HV, generator=gen, device=DEVICE), use_qk_l2norm_in_kernel=True)
+    kw = dict(q=q, k=k, v=v, decay=-torch.rand(s["HV"], generator=gen, device=DEVICE), use_qk_l2norm_in_kernel=True)
     pool = _pool("lightning", torch.float32, slots, seed=15)
     call = _varlen_call(lens, slots, [True] * len(lens))
     ref_pool = pool.double()
