@@ -38,7 +38,10 @@ stage 3 below).
 2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as
    C-row products over the whole chunk in column tiles of 32, into W [T, HV, K] and U~
    [T, HV, V]. A separate launch because inside kernel 1 the products kept every v and k tile
-   live and spilled (GDN 4 x 8192 on an H200 went from 6.01 to 4.05 ms with the split).
+   live and spilled (GDN 4 x 8192 on an H200 went from 6.01 to 4.05 ms with the split). Folded
+   into kernel 3 instead (U = M^-1 diag(beta) (V - (exp(G) K) S) per chunk, no W / U~ workspace)
+   it adds a dependent product to the serial loop, which costs more than this kernel (H200, GDN
+   4 x 8192: state pass 1.01 -> 1.65 ms, against 0.58 for this kernel).
 3. ``_delta_state_kernel``, grid (N x V / BV, HV): one program per (sequence, value head, V
    tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. The V tiles
    of a sequence and head run side by side (``segments.program_ids``), so q, k, W and P come
