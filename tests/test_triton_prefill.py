@@ -143,12 +143,14 @@ def _call(mode, kw, **call):
     return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **call)
 
 
-def _run_both(mode, kw, pool, segment_tokens=None, **call):
-    """(out, ref_out, ref_pool): the triton prefill into ``pool`` (and a NaN-poisoned ``out``;
-    ``segment_tokens`` goes to it alone) and the float64 oracle on a float64 copy of the pool."""
+def _run_both(mode, kw, pool, segment_tokens=None, out=None, **call):
+    """(out, ref_out, ref_pool): the triton prefill into ``pool`` and ``out`` (a NaN-poisoned
+    contiguous tensor when None; ``segment_tokens`` goes to the triton call alone) and the float64
+    oracle on a float64 copy of the pool."""
     ref_pool = None if pool is None else pool.double()
     T, HV, V = kw["v"].shape
-    out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype)
+    if out is None:
+        out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype)
     o, _ = _call(mode, kw, state_pool=pool, out=out, segment_tokens=segment_tokens, **call, **TRITON)
     ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
     assert o is out
@@ -371,10 +373,7 @@ def test_strided_inputs_pool_and_out(mode, generator):
     out = torch.full((T, HV, V, 2), float("nan"), dtype=torch.bfloat16)[..., 0]
     assert not q.is_contiguous() and k.stride(-1) != 1 and out.stride(-1) != 1
     call = dict(cu_seqlens=_cu(lens), state_indices=torch.tensor([4, 1], dtype=torch.int32))
-    ref_pool = pool.double()
-    o, _ = _call(mode, kw, state_pool=pool, out=out, **call, **TRITON)
-    ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
-    assert o is out
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, out=out, **call)
     assert_close(o, ref_o, 5e-3)
     _assert_same_writes(pool, ref_pool, 5e-3)
     assert torch.isnan(base[:, 1]).all(), "the other half of the strided pool was written"
@@ -396,10 +395,7 @@ def test_lightning_strided_inputs_and_out(aligned, generator):
     pool[4] = torch.randn(HV, V, K, generator=generator)
     pool[1] = torch.randn(HV, V, K, generator=generator)
     call = dict(cu_seqlens=_cu(lens), state_indices=torch.tensor([4, 1], dtype=torch.int32))
-    ref_pool = pool.double()
-    o, _ = _call("lightning", kw, state_pool=pool, out=out, **call, **TRITON)
-    ref_o, _ = _call("lightning", to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
-    assert o is out
+    o, ref_o, ref_pool = _run_both("lightning", kw, pool, out=out, **call)
     assert_close(o, ref_o, 5e-3)
     _assert_same_writes(pool, ref_pool, 5e-3)
 

@@ -63,12 +63,14 @@ def _call(mode, kw, **call):
     return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **call)
 
 
-def _run_both(mode, kw, pool, segment_tokens=None, **call):
-    """(out, ref_out, ref_pool): the triton prefill (into ``pool`` and a NaN-poisoned ``out``;
-    ``segment_tokens`` goes to it alone) and the float64 oracle on a float64 copy of the pool."""
+def _run_both(mode, kw, pool, segment_tokens=None, out=None, **call):
+    """(out, ref_out, ref_pool): the triton prefill into ``pool`` and ``out`` (a NaN-poisoned
+    contiguous tensor when None; ``segment_tokens`` goes to the triton call alone) and the float64
+    oracle on a float64 copy of the pool."""
     ref_pool = None if pool is None else pool.double()
     T, HV, V = kw["v"].shape
-    out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype, device=DEVICE)
+    if out is None:
+        out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype, device=DEVICE)
     o, _ = _call(mode, kw, state_pool=pool, out=out, segment_tokens=segment_tokens, **call, **TRITON)
     ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
     assert o is out
@@ -271,10 +273,7 @@ def test_lightning_strided_inputs_and_out(aligned):
     kw = dict(q=q, k=k, v=v, decay=-torch.rand(s["HV"], generator=gen, device=DEVICE), use_qk_l2norm_in_kernel=True)
     pool = _pool("lightning", torch.float32, slots, seed=15)
     call = _varlen_call(lens, slots, [True] * len(lens))
-    ref_pool = pool.double()
-    o, _ = _call("lightning", kw, state_pool=pool, out=out, **call, **TRITON)
-    ref_o, _ = _call("lightning", to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
-    assert o is out
+    o, ref_o, ref_pool = _run_both("lightning", kw, pool, out=out, **call)
     assert_close(o, ref_o, 5e-3)
     _assert_same_writes(pool, ref_pool, 5e-3)
 
