@@ -243,7 +243,9 @@ def _prefill(mode, q, k, v, g, beta, decay, *, scale, cu_seqlens, state_pool, st
 
     pool_for_dtype = state_pool if state_pool is not None else initial_state
     module = _select("prefill", device, backend, input_dtype=q.dtype,
-                     state_dtype=None if pool_for_dtype is None else pool_for_dtype.dtype, K=K, V=V)
+                     state_dtype=None if pool_for_dtype is None else pool_for_dtype.dtype, K=K, V=V,
+                     workload=dict(mode=mode, N=N, T=T, HV=HV, tensors=(q, k, v, out, pool_for_dtype),
+                                   options=tuple(kwargs)))
 
     if value_checks_enabled(cu_seqlens, state_indices, checkpoint_indices):
         if cu_seqlens is not None:

@@ -76,21 +76,32 @@ def _operation_error(module, operation: str) -> str | None:
     return None
 
 
+def _call_error(module, operation: str, workload: dict | None) -> str | None:
+    """Why ``module`` cannot run this particular call although it has the operation, the dtypes
+    and the head dims (``module.call_error(operation, **workload)``, for backends whose kernels
+    cover part of an operation; the others define no such hook)."""
+    if workload is None or not hasattr(module, "call_error"):
+        return None
+    return module.call_error(operation, **workload)
+
+
 def select(operation: str, device: torch.device, backend: str | None, supports, workload: dict | None = None):
     """Pick the backend module for a call.
 
     ``supports(module)`` returns None if the module can serve this call's dtypes and head dims,
-    else the reason. A named backend that cannot serve the call raises; in automatic mode the
-    next one in the table's order is tried. ``workload`` (N, T, HV of a decode / verify /
-    commit) lets a backend that knows it is slower on such a call defer to the next one
-    (``module.defers(operation, **workload)``), in automatic mode only.
+    else the reason. ``workload`` describes the call (mode, N, T, HV; for a prefill also its
+    tensors and backend options): a backend whose kernels cover part of an operation says what
+    it cannot run (``module.call_error(operation, **workload)``). A named backend that cannot
+    serve the call raises; in automatic mode the next one in the table's order is tried, and a
+    backend that knows it is slower on such a call defers to the next one
+    (``module.defers(operation, **workload)``).
     """
     name = requested_backend(backend)
     if name is not None:
         module, reason = backend_status(name, device)
         if module is None:
             raise BackendUnavailableError(f"backend {name!r} is not available on {device}: {reason}")
-        reason = _operation_error(module, operation) or supports(module)
+        reason = _operation_error(module, operation) or supports(module) or _call_error(module, operation, workload)
         if reason:
             raise ValueError(f"backend {name!r} cannot serve this call: {reason}")
         return module
@@ -98,7 +109,8 @@ def select(operation: str, device: torch.device, backend: str | None, supports, 
     candidates = preference(operation, device)
     for position, candidate in enumerate(candidates):
         module, reason = backend_status(candidate, device)
-        reason = reason or _operation_error(module, operation) or supports(module)
+        reason = reason or _operation_error(module, operation) or supports(module) or _call_error(
+            module, operation, workload)
         if not reason and workload is not None and position + 1 < len(candidates) and hasattr(module, "defers"):
             reason = module.defers(operation, **workload)
         if not reason:

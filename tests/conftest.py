@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in Triton's interpreter; it is read when triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from cula_serve import cula_gdn, cula_kda, cula_lightning
 from cula_serve.inputs import random_inputs, relative_error, to_float64
 
 # The oracle: the torch backend's token-by-token recurrence in float64 (DESIGN section 7).
@@ -61,6 +62,40 @@ def oracle_pool(pool: torch.Tensor) -> torch.Tensor:
 def assert_close(out, ref, tol, what="output"):
     err = relative_error(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:g}"
+
+
+PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
+
+
+def prefill_call(mode, kw, **options):
+    """cula_{mode}(...) on ``random_inputs``' dict ``kw`` plus ``options`` (pool, backend, ...)."""
+    kw = dict(kw)
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    if mode == "lightning":
+        return PREFILL[mode](q, k, v, kw.pop("decay"), **kw, **options)
+    return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **options)
+
+
+def prefill_and_oracle(mode, kw, pool, backend, out=None, **options):
+    """(out, ref_out, ref_pool): the prefill of ``backend`` (a dict of the options that go to its
+    call alone) into ``pool`` and ``out`` (a NaN-poisoned contiguous tensor when None), and the
+    float64 oracle on a float64 copy of the pool, both with ``options``."""
+    ref_pool = None if pool is None else pool.double()
+    T, HV, V = kw["v"].shape
+    if out is None:
+        out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype, device=kw["v"].device)
+    o, _ = prefill_call(mode, kw, state_pool=pool, out=out, **options, **backend)
+    ref_o, _ = prefill_call(mode, to_float64(kw), state_pool=ref_pool, **options, **ORACLE)
+    assert o is out
+    return o, ref_o, ref_pool
+
+
+def assert_same_writes(pool, ref_pool, tol, what="pool"):
+    """The pool holds NaN exactly where the oracle's does (slots neither may touch) and the
+    oracle's values elsewhere."""
+    nan, ref_nan = torch.isnan(pool.float()), torch.isnan(ref_pool)
+    assert torch.equal(nan, ref_nan), f"{what}: written where the oracle did not write, or the reverse"
+    assert_close(pool[~nan], ref_pool[~ref_nan], tol, what)
 
 
 def assert_untouched(pool, untouched_slots):

@@ -78,3 +78,23 @@ def test_backend_defers_only_in_automatic_mode(monkeypatch):
     assert dispatch.select("decode", cpu, None, always, dict(mode="gdn", N=1, T=1, HV=4)) is torch_module
     assert dispatch.select("decode", cpu, None, always, dict(mode="gdn", N=64, T=1, HV=4)) is small_shy
     assert dispatch.select("decode", cpu, "cute", always, dict(mode="gdn", N=1, T=1, HV=4)) is small_shy
+
+
+def test_backend_call_error_refuses_or_passes_on(monkeypatch):
+    """A backend whose kernels cover part of an operation says which calls it cannot run
+    (``call_error``): automatic dispatch passes them to the next backend, a call that names the
+    backend raises that reason, and calls it can run stay with it."""
+    cpu = torch.device("cpu")
+    torch_module = dispatch.backend_status("torch", cpu)[0]
+    lightning_only = type("LightningOnly", (), dict(
+        NAME="lightning_only", OPERATIONS=("prefill",),
+        call_error=staticmethod(lambda op, mode, **workload: None if mode == "lightning" else f"no {mode} prefill")))
+    status = {"cute": (lightning_only, None), "triton": (None, "absent"), "torch": (torch_module, None)}
+    monkeypatch.setattr(dispatch, "backend_status", lambda name, device: status[name])
+    monkeypatch.setattr(dispatch, "CPU_DEFAULT", ("cute", "torch"))
+    always = lambda module: None  # noqa: E731
+    workload = lambda mode: dict(mode=mode, N=2, T=128, HV=4, tensors=(), options=())  # noqa: E731
+    assert dispatch.select("prefill", cpu, None, always, workload("lightning")) is lightning_only
+    assert dispatch.select("prefill", cpu, None, always, workload("gdn")) is torch_module
+    with pytest.raises(ValueError, match="no gdn prefill"):
+        dispatch.select("prefill", cpu, "cute", always, workload("gdn"))

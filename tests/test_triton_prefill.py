@@ -20,14 +20,13 @@ triton = pytest.importorskip("triton")
 import numpy as np  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from cula_serve import cula_gdn, cula_kda, cula_lightning  # noqa: E402
 from cula_serve.kernels.backends import triton_backend  # noqa: E402
 from cula_serve.kernels.common.varlen import chunk_indices  # noqa: E402
 from cula_serve.kernels.delta_rule.chunk_triton import _dot  # noqa: E402
 from cula_serve.inputs import relative_error  # noqa: E402
 
-from conftest import (ORACLE, assert_close, lightning_strided_views, random_inputs, to_float64,  # noqa: E402
-                      tolerance)
+from conftest import (ORACLE, PREFILL, assert_close, assert_same_writes, lightning_strided_views,  # noqa: E402
+                      prefill_and_oracle, prefill_call, random_inputs, to_float64, tolerance)
 
 if triton_backend.availability(torch.device("cpu")):
     pytest.skip("the triton backend needs TRITON_INTERPRET=1 on the CPU (set before triton was imported)",
@@ -35,7 +34,6 @@ if triton_backend.availability(torch.device("cpu")):
 
 TRITON = dict(backend="triton")
 MODES = ["gdn", "kda", "lightning"]
-PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
 GVA = dict(H=2, HV=4, K=32, V=32)
 MHA = dict(H=2, HV=2, K=32, V=128)  # two V tiles of 64 in the state pass
 # one varlen batch: 65, 1, (padding), 63, 64, 200 tokens; permuted slots, row 2 is padding
@@ -134,35 +132,9 @@ def _cu(lens):
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def _call(mode, kw, **call):
-    """cula_{mode}(...) with random_inputs' dict ``kw`` plus the pool-side keywords ``call``."""
-    kw = dict(kw)
-    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
-    if mode == "lightning":
-        return PREFILL[mode](q, k, v, kw.pop("decay"), **kw, **call)
-    return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **call)
-
-
 def _run_both(mode, kw, pool, segment_tokens=None, out=None, **call):
-    """(out, ref_out, ref_pool): the triton prefill into ``pool`` and ``out`` (a NaN-poisoned
-    contiguous tensor when None; ``segment_tokens`` goes to the triton call alone) and the float64
-    oracle on a float64 copy of the pool."""
-    ref_pool = None if pool is None else pool.double()
-    T, HV, V = kw["v"].shape
-    if out is None:
-        out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype)
-    o, _ = _call(mode, kw, state_pool=pool, out=out, segment_tokens=segment_tokens, **call, **TRITON)
-    ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
-    assert o is out
-    return o, ref_o, ref_pool
-
-
-def _assert_same_writes(pool, ref_pool, tol, what="pool"):
-    """The pool holds NaN exactly where the oracle's does (slots neither may touch) and the
-    oracle's values elsewhere."""
-    nan, ref_nan = torch.isnan(pool.float()), torch.isnan(ref_pool)
-    assert torch.equal(nan, ref_nan), f"{what}: written where the oracle did not write, or the reverse"
-    assert_close(pool[~nan], ref_pool[~ref_nan], tol, what)
+    """``prefill_and_oracle`` on the triton backend (``segment_tokens`` goes to its call alone)."""
+    return prefill_and_oracle(mode, kw, pool, dict(TRITON, segment_tokens=segment_tokens), out=out, **call)
 
 
 def _pool(shape, dtype, live_slots, generator, size=POOL_SIZE):
@@ -201,7 +173,7 @@ def test_varlen_batch_matches_oracle(mode, input_dtype, state_dtype, generator):
     assert_close(o, ref_o, tol)
     pad = slice(sum(LENS[:2]), sum(LENS[:3]))
     assert (o[pad] == 0).all()
-    _assert_same_writes(pool, ref_pool, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -212,7 +184,7 @@ def test_v_tiles_mha_fp16(mode, generator):
     pool, call = _varlen_case(generator, MHA, lens, slots, has_init)
     o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
     assert_close(o, ref_o, 5e-3)
-    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert_same_writes(pool, ref_pool, 5e-3)
 
 
 @pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -227,7 +199,7 @@ def test_head_dim_256(mode, input_dtype, generator):
     o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
     tol = tolerance(input_dtype, torch.float32)
     assert_close(o, ref_o, tol)
-    _assert_same_writes(pool, ref_pool, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -246,7 +218,7 @@ def test_many_short_sequences(mode, generator):
                 has_initial_state=torch.tensor(has_init))
     o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
     assert_close(o, ref_o, 1e-5)
-    _assert_same_writes(pool, ref_pool, 1e-5)
+    assert_same_writes(pool, ref_pool, 1e-5)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -262,7 +234,7 @@ def test_checkpoints(mode, every, generator):
     pool = torch.cat([pool, torch.full((7, *pool.shape[1:]), float("nan"))])  # room for slots 10..16
     o, ref_o, ref_pool = _run_both(mode, kw, pool, checkpoint_every=every, checkpoint_indices=ckpt, **call)
     assert_close(o, ref_o, 1e-5)
-    _assert_same_writes(pool, ref_pool, 1e-5)
+    assert_same_writes(pool, ref_pool, 1e-5)
     written = {3, 4, 5, 6} if every == 64 else {3, 5}
     assert all(not torch.isnan(pool[s]).any() for s in written)
 
@@ -285,7 +257,7 @@ def test_gate_variants(mode, gate, generator):
     pool, call = _varlen_case(generator, shape, lens, slots, has_init)
     o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
     assert_close(o, ref_o, 1e-5)
-    _assert_same_writes(pool, ref_pool, 1e-5)
+    assert_same_writes(pool, ref_pool, 1e-5)
 
 
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -304,7 +276,7 @@ def test_strong_decays_stay_finite_and_exact(mode, input_dtype, generator):
     assert torch.isfinite(o).all()
     tol = 1e-5 if input_dtype == torch.float32 else tolerance(input_dtype, torch.float32)
     assert_close(o, ref_o, tol)
-    _assert_same_writes(pool, ref_pool, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @triton.jit
@@ -337,7 +309,7 @@ def test_lightning_bf16_state_update_keeps_float32_accuracy(generator):
     kw = random_inputs("lightning", (sum(LENS),), **GVA, dtype=torch.bfloat16, generator=generator)
     pool, call = _varlen_case(generator)
     _, _, ref_pool = _run_both("lightning", kw, pool, **call)
-    _assert_same_writes(pool, ref_pool, 5e-5, "final states")
+    assert_same_writes(pool, ref_pool, 5e-5, "final states")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -375,7 +347,7 @@ def test_strided_inputs_pool_and_out(mode, generator):
     call = dict(cu_seqlens=_cu(lens), state_indices=torch.tensor([4, 1], dtype=torch.int32))
     o, ref_o, ref_pool = _run_both(mode, kw, pool, out=out, **call)
     assert_close(o, ref_o, 5e-3)
-    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert_same_writes(pool, ref_pool, 5e-3)
     assert torch.isnan(base[:, 1]).all(), "the other half of the strided pool was written"
 
 
@@ -397,7 +369,7 @@ def test_lightning_strided_inputs_and_out(aligned, generator):
     call = dict(cu_seqlens=_cu(lens), state_indices=torch.tensor([4, 1], dtype=torch.int32))
     o, ref_o, ref_pool = _run_both("lightning", kw, pool, out=out, **call)
     assert_close(o, ref_o, 5e-3)
-    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert_same_writes(pool, ref_pool, 5e-3)
 
 
 def test_chunk_indices(generator):
@@ -459,7 +431,7 @@ def test_segments_match_oracle(mode, tokens, generator):
                                    segment_tokens=tokens, **call)
     assert_close(o, ref_o, 1e-5)
     assert (o[301:501] == 0).all()
-    _assert_same_writes(pool, ref_pool, 1e-5)
+    assert_same_writes(pool, ref_pool, 1e-5)
     assert all(not torch.isnan(pool[s]).any() for s in (10, 11, 12, 17))
 
 
@@ -472,7 +444,7 @@ def test_segments_bf16_pool(mode, generator):
     o, ref_o, ref_pool = _run_both(mode, kw, pool, segment_tokens=64, **call)
     tol = tolerance(torch.bfloat16, torch.bfloat16)
     assert_close(o, ref_o, tol)
-    _assert_same_writes(pool, ref_pool, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -483,8 +455,8 @@ def test_segment_tokens_must_be_chunk_multiples(mode, tokens, generator):
     pool = torch.full((2, GVA["HV"], GVA["V"], GVA["K"]), float("nan"))
     out = torch.full((70, GVA["HV"], GVA["V"]), float("nan"))
     with pytest.raises(ValueError, match="segment_tokens"):
-        _call(mode, kw, cu_seqlens=_cu([70]), state_pool=pool, state_indices=torch.tensor([1], dtype=torch.int32),
-              out=out, segment_tokens=tokens, **TRITON)
+        prefill_call(mode, kw, cu_seqlens=_cu([70]), state_pool=pool,
+                     state_indices=torch.tensor([1], dtype=torch.int32), out=out, segment_tokens=tokens, **TRITON)
     assert torch.isnan(pool).all() and torch.isnan(out).all()
 
 

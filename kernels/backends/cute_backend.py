@@ -4,8 +4,9 @@
              kernels/delta_rule/recurrent_cute.py (gdn, kda and lightning: one kernel)
     buffer / slots commit
              the Triton backend's state copy (a plain copy of one state per sequence)
-
-Prefill has no CuTe DSL kernel yet: dispatch passes it to the next backend (``OPERATIONS``).
+    prefill  kernels/lightning/chunk_cute.py (Lightning, bf16 rows, K = V = 128); GDN and KDA
+             have no CuTe DSL prefill, so dispatch passes them and every other shape to the
+             Triton backend (``call_error``), and batches that Triton runs in segments (``defers``)
 Shapes, dtypes, pool semantics and the three MTP protocols are those of the torch backend, the
 reference. Nothing synchronises with the host or compiles after the first call of a shape, so
 decode, verify and commit can be captured in CUDA graphs (warm up first: ``cula_serve.warmup``).
@@ -17,12 +18,13 @@ import torch
 
 try:
     from ..delta_rule import recurrent_cute
+    from ..lightning import chunk_cute
     _IMPORT_ERROR = None
 except ImportError as err:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl does not import ({err})"
 
 NAME = "cute"
-OPERATIONS = ("decode", "verify", "commit")
+OPERATIONS = ("prefill", "decode", "verify", "commit")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS_K = (32, 64, 128, 256)  # 32 lanes x K / 32 channels
@@ -46,21 +48,69 @@ def head_dims_error(K: int, V: int) -> str | None:
     return f"head dims K={K}, V={V}: the CuTe DSL kernels take K in {HEAD_DIMS_K} and V in {HEAD_DIMS_V}"
 
 
-def defers(operation: str, *, mode: str, N: int, T: int, HV: int) -> str | None:
+def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple = (), **_) -> str | None:
+    """Why this backend cannot run a call that its dtypes and head dims admit (None when it can).
+    Its one prefill kernel is Lightning's for bf16 rows, K = V = 128 (``chunk_cute.unsupported``),
+    and it takes no backend options (``segment_tokens`` is the Triton backend's)."""
+    if operation != "prefill":
+        return None
+    if mode != "lightning":
+        return f"no CuTe DSL prefill for {mode} (it has Lightning's; the triton backend runs {mode})"
+    if options:
+        return f"prefill options {sorted(options)} are not the cute backend's"
+    return chunk_cute.unsupported(*tensors)
+
+
+# Lightning prefill runs one CTA per sequence and value head, without segments; below this share
+# of the SMs the Triton kernel's segments win (H100, 1 x 8192 tokens, device time per
+# token-head: 48 heads 0.948 against Triton's 0.884, 64 heads 0.733 against 0.795).
+PREFILL_MIN_SM_SHARE = 0.4
+
+
+def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple = (), **_) -> str | None:
     """Why automatic dispatch should pass this call to the next backend although this one can
-    run it: where the Triton kernels measured faster (H200, CUDA-graph replay, 2026-11-24;
-    BENCHMARKS.md). Decode below 2048 heads (B < 64 at 32 heads): slower than Triton there (GDN
-    B = 8: 15.9 against 14.6 us, B = 1: 7.3 against 6.8); from B = 64 on as fast or faster.
-    Verify and commit: faster, or within 5% (Lightning at B = 1 and 8), from B = 1 on (T = 4
-    deferred verify + commit, GDN B = 64: 128.0 against 152.8 us)."""
+    run it: where the Triton kernels measured faster (BENCHMARKS.md).
+
+    Decode below 2048 heads (B < 64 at 32 heads), CUDA-graph replay, H200, 2026-11-24: slower
+    than Triton there (GDN B = 8: 15.9 against 14.6 us, B = 1: 7.3 against 6.8); from B = 64 on
+    as fast or faster. Verify and commit: faster, or within 5% (Lightning at B = 1 and 8), from
+    B = 1 on (T = 4 deferred verify + commit, GDN B = 64: 128.0 against 152.8 us).
+
+    Lightning prefill: where the Triton kernel cuts the batch into segments (few long sequences
+    or few heads) and this kernel's CTAs would fill less than ``PREFILL_MIN_SM_SHARE`` of the
+    SMs (a TP4 shard's 16 heads on one 8192-token sequence: 2.90 against 1.15 ns per
+    token-head on an H100)."""
     if operation == "decode" and N * HV < 2048:
         return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
+    if operation == "prefill" and mode == "lightning":
+        from ..lightning.chunk_triton import planned_segment_tokens
+        device = tensors[0].device
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if N * HV < PREFILL_MIN_SM_SHARE * num_sms and planned_segment_tokens(T, N, HV, chunk_cute.HEAD_DIM, device):
+            return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel runs it in "
+                    "segments, in parallel")
     return None
+
+
+def native_map_columns(recipe) -> bool:
+    """The CuTe DSL prefill takes no map columns: the API widens v, and the widened call is
+    outside ``chunk_cute``'s shapes, so it goes to the Triton backend."""
+    return False
 
 
 def _no_options(operation: str, kwargs: dict):
     if kwargs:
         raise TypeError(f"cute backend {operation}: unexpected keyword arguments {sorted(kwargs)}")
+
+
+def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
+            checkpoint_every=None, checkpoint_indices=None, **kwargs):
+    """Chunked prefill of a packed varlen batch (Lightning only); arguments as for the torch
+    backend's ``prefill``. Raises ValueError for tensors it cannot run (``call_error``)."""
+    _no_options("prefill", kwargs)
+    return chunk_cute.lightning_prefill(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool,
+                                        state_indices=state_indices, has_initial_state=has_initial_state, out=out,
+                                        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices)
 
 
 def decode(recipe, q, k, v, g, beta, *, state_pool, state_indices, out, **kwargs):

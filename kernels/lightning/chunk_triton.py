@@ -161,6 +161,14 @@ def _lightning_kernel(
                 tl.store(pool + slot * s_ps + state_offs, S.to(pool.dtype.element_ty), mask=state_mask)
 
 
+def planned_segment_tokens(T: int, N: int, HV: int, V: int, device: torch.device, requested: int | None = None) -> int:
+    """Tokens per segment that ``lightning_prefill`` cuts this batch into (0: none), from shapes
+    alone (``segments.segment_tokens`` with Lightning's constants)."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    return segments.segment_tokens(T, N, HV, V, num_sms, min_tokens=SEGMENT_MIN_TOKENS,
+                                   programs_per_sm=SEGMENT_PROGRAMS_PER_SM, requested=requested)
+
+
 def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
                       has_initial_state, out, checkpoint_every=None, checkpoint_indices=None, segment_tokens=None):
     """Chunked prefill of Lightning attention over a packed varlen batch
@@ -189,7 +197,6 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     device = q.device
     BK = max(triton.next_power_of_2(K), 16)
     prec = precisions(q.dtype)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     dummy_i32 = torch.empty(1, dtype=torch.int32, device=device)
     has_pool = state_pool is not None
     ckpt = checkpoint_indices if has_pool and checkpoint_every else None
@@ -217,8 +224,7 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
         # had won). At K = 256 one stage is also wrong: Triton 3.6's sm_90 code for it gave
         # outputs off by 100% there (the interpreter ran it exactly); two compute correctly.
         launch = dict(launch, num_stages=2)
-    tokens = segments.segment_tokens(T, N, HV, V, num_sms, min_tokens=SEGMENT_MIN_TOKENS,
-                                     programs_per_sm=SEGMENT_PROGRAMS_PER_SM, requested=segment_tokens)
+    tokens = planned_segment_tokens(T, N, HV, V, device, segment_tokens)
     if not tokens:
         # Rows through descriptors where they can be built. H200, 64 heads, bf16, device time per
         # token-head against masked pointers: 4 x 8192 0.418 -> 0.377 ns, 8 x 1024 0.459 -> 0.449.

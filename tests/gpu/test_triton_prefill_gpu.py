@@ -13,92 +13,43 @@ the same GPU, token by token.
 import pytest
 import torch
 
-from cula_serve import cula_gdn, cula_kda, cula_lightning
-from cula_serve.inputs import MODE_SHAPES, random_inputs, to_float64
+from cula_serve.inputs import random_inputs
 
-from conftest import ORACLE, assert_close, lightning_strided_views, skip_module_unless_gpu, tolerance
+from conftest import (assert_close, assert_same_writes, lightning_strided_views, prefill_and_oracle,
+                      skip_module_unless_gpu, tolerance)
 
 pytestmark = pytest.mark.gpu
 
 skip_module_unless_gpu()
 
-DEVICE = torch.device("cuda")
+from prefill_checks import (DEVICE, POOL_SIZE, SHAPES, assert_checkpoints_match_oracle,  # noqa: E402
+                            assert_graph_replay_matches_eager, cu, inputs, poisoned_pool, varlen_call)
+
 TRITON = dict(backend="triton")
-SHAPES = MODE_SHAPES
 MODES = ["gdn", "kda", "lightning"]
-PREFILL = {"gdn": cula_gdn, "kda": cula_kda, "lightning": cula_lightning}
 DTYPES = [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
 DTYPE_IDS = ["bf16-fp32pool", "bf16-bf16pool", "fp32"]
 # one varlen batch: permuted slots, row 3 is padding, rows 1 and 5 start from zeros (NaN slots)
 LENS = [1, 63, 64, 17, 65, 300, 1000]
 SLOTS = [9, 2, 11, -1, 0, 5, 7]
 HAS_INIT = [True, False, True, True, True, False, True]
-POOL_SIZE = 16
 
 
-def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-
-
-def _inputs(mode, T, dtype, seed, **kwargs):
-    return random_inputs(mode, (T,), **SHAPES[mode], dtype=dtype, device=DEVICE,
-                         generator=torch.Generator().manual_seed(seed), **kwargs)
-
-
-def _pool(mode, dtype, live_slots, seed, size=POOL_SIZE):
-    """NaN everywhere but ``live_slots``, which hold random states."""
-    s = SHAPES[mode]
-    pool = torch.full((size, s["HV"], s["V"], s["K"]), float("nan"), dtype=dtype, device=DEVICE)
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    for slot in live_slots:
-        pool[slot] = (0.5 * torch.randn(*pool.shape[1:], generator=g, device=DEVICE)).to(dtype)
-    return pool
-
-
-def _call(mode, kw, **call):
-    kw = dict(kw)
-    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
-    if mode == "lightning":
-        return PREFILL[mode](q, k, v, kw.pop("decay"), **kw, **call)
-    return PREFILL[mode](q, k, v, kw.pop("g"), kw.pop("beta"), **kw, **call)
-
-
-def _run_both(mode, kw, pool, segment_tokens=None, out=None, **call):
-    """(out, ref_out, ref_pool): the triton prefill into ``pool`` and ``out`` (a NaN-poisoned
-    contiguous tensor when None; ``segment_tokens`` goes to the triton call alone) and the float64
-    oracle on a float64 copy of the pool."""
-    ref_pool = None if pool is None else pool.double()
-    T, HV, V = kw["v"].shape
-    if out is None:
-        out = torch.full((T, HV, V), float("nan"), dtype=kw["v"].dtype, device=DEVICE)
-    o, _ = _call(mode, kw, state_pool=pool, out=out, segment_tokens=segment_tokens, **call, **TRITON)
-    ref_o, _ = _call(mode, to_float64(kw), state_pool=ref_pool, **call, **ORACLE)
-    assert o is out
-    return o, ref_o, ref_pool
-
-
-def _assert_same_writes(pool, ref_pool, tol, what="pool"):
-    """NaN exactly where the oracle's pool has NaN (untouched slots), its values elsewhere."""
-    nan, ref_nan = torch.isnan(pool.float()), torch.isnan(ref_pool)
-    assert torch.equal(nan, ref_nan), f"{what}: written where the oracle did not write, or the reverse"
-    assert_close(pool[~nan], ref_pool[~ref_nan], tol, what)
-
-
-def _varlen_call(lens, slots, has_init):
-    return dict(cu_seqlens=_cu(lens), state_indices=torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-                has_initial_state=torch.tensor(has_init, device=DEVICE))
+def _run_both(mode, kw, pool, segment_tokens=None, out=None, **options):
+    """``run_both`` on the triton backend (``segment_tokens`` goes to its call alone)."""
+    return prefill_and_oracle(mode, kw, pool, dict(TRITON, segment_tokens=segment_tokens), out=out, **options)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("input_dtype,state_dtype", DTYPES, ids=DTYPE_IDS)
 def test_varlen_model_shapes(mode, input_dtype, state_dtype):
-    kw = _inputs(mode, sum(LENS), input_dtype, seed=1)
-    pool = _pool(mode, state_dtype, [s for s, h in zip(SLOTS, HAS_INIT) if s >= 0 and h], seed=2)
-    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(LENS, SLOTS, HAS_INIT))
+    kw = inputs(mode, sum(LENS), input_dtype, seed=1)
+    pool = poisoned_pool(mode, state_dtype, [s for s, h in zip(SLOTS, HAS_INIT) if s >= 0 and h], seed=2)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **varlen_call(LENS, SLOTS, HAS_INIT))
     tol = tolerance(input_dtype, state_dtype)
     assert_close(o, ref_o, tol)
     assert (o[sum(LENS[:3]):sum(LENS[:4])] == 0).all()
-    _assert_same_writes(pool, ref_pool, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -116,10 +67,10 @@ def test_head_dims(mode, input_dtype, K, V):
     g = torch.Generator(device=DEVICE).manual_seed(7)
     for slot in (3, 1, 2):
         pool[slot] = 0.5 * torch.randn(4, V, K, generator=g, device=DEVICE)
-    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, has_init))
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **varlen_call(lens, slots, has_init))
     tol = tolerance(input_dtype, torch.float32)
     assert_close(o, ref_o, tol)
-    _assert_same_writes(pool, ref_pool, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("segment_tokens", [None, 512], ids=["whole", "segments"])
@@ -128,11 +79,11 @@ def test_lightning_bf16_state_update_keeps_float32_accuracy(segment_tokens):
     parts) is the only rounding in its states, so the final states match the oracle to ~1e-5
     (tf32 operands left ~5e-4). Model shapes, one long sequence among short ones."""
     lens, slots, has_init = [4133, 5, 700], [3, 1, 6], [True, False, True]
-    kw = _inputs("lightning", sum(lens), torch.bfloat16, seed=12)
-    pool = _pool("lightning", torch.float32, [3, 6], seed=13)
+    kw = inputs("lightning", sum(lens), torch.bfloat16, seed=12)
+    pool = poisoned_pool("lightning", torch.float32, [3, 6], seed=13)
     _, _, ref_pool = _run_both("lightning", kw, pool, segment_tokens=segment_tokens,
-                               **_varlen_call(lens, slots, has_init))
-    _assert_same_writes(pool, ref_pool, 5e-5, "final states")
+                               **varlen_call(lens, slots, has_init))
+    assert_same_writes(pool, ref_pool, 5e-5, "final states")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -140,12 +91,12 @@ def test_lightning_bf16_state_update_keeps_float32_accuracy(segment_tokens):
 def test_long_sequence(mode, input_dtype, state_dtype):
     """One sequence of several thousand tokens next to a short one."""
     lens, slots, has_init = [4133, 5], [3, 1], [True, True]
-    kw = _inputs(mode, sum(lens), input_dtype, seed=3)
-    pool = _pool(mode, state_dtype, slots, seed=4)
-    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, has_init))
+    kw = inputs(mode, sum(lens), input_dtype, seed=3)
+    pool = poisoned_pool(mode, state_dtype, slots, seed=4)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **varlen_call(lens, slots, has_init))
     tol = tolerance(input_dtype, state_dtype)
     assert_close(o, ref_o, tol)
-    _assert_same_writes(pool, ref_pool, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -162,14 +113,14 @@ def test_segments(mode, input_dtype, state_dtype, tokens):
     ckpt[0] = torch.arange(7, 7 + M)
     ckpt[4, :5] = torch.arange(40, 45)
     ckpt[0, 3] = -1
-    kw = _inputs(mode, sum(lens), input_dtype, seed=30)
-    pool = _pool(mode, state_dtype, [3, 1, 0], seed=31, size=7 + M + 5)
+    kw = inputs(mode, sum(lens), input_dtype, seed=30)
+    pool = poisoned_pool(mode, state_dtype, [3, 1, 0], seed=31, size=7 + M + 5)
     o, ref_o, ref_pool = _run_both(mode, kw, pool, checkpoint_every=128, checkpoint_indices=ckpt.to(DEVICE),
-                                   segment_tokens=tokens, **_varlen_call(lens, slots, has_init))
+                                   segment_tokens=tokens, **varlen_call(lens, slots, has_init))
     tol = tolerance(input_dtype, state_dtype)
     assert_close(o, ref_o, tol)
     assert (o[sum(lens[:2]):sum(lens[:3])] == 0).all()
-    _assert_same_writes(pool, ref_pool, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -181,26 +132,17 @@ def test_many_short_sequences(mode):
     slots = torch.randperm(N + 64, generator=gen)[:N]
     slots[::7] = -1
     has_init = torch.rand(N, generator=gen) < 0.8
-    kw = _inputs(mode, sum(lens), torch.bfloat16, seed=6)
-    pool = _pool(mode, torch.float32, slots[(slots >= 0) & has_init].tolist(), seed=7, size=N + 64)
-    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots.tolist(), has_init.tolist()))
+    kw = inputs(mode, sum(lens), torch.bfloat16, seed=6)
+    pool = poisoned_pool(mode, torch.float32, slots[(slots >= 0) & has_init].tolist(), seed=7, size=N + 64)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **varlen_call(lens, slots.tolist(), has_init.tolist()))
     assert_close(o, ref_o, 5e-3)
-    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert_same_writes(pool, ref_pool, 5e-3)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("every", [64, 128])
 def test_checkpoints(mode, every):
-    lens, slots, has_init = [700, 129, 64, 40], [0, 1, -1, 2], [True, False, True, True]
-    M = 11
-    ckpt = torch.arange(3, 3 + 4 * M, dtype=torch.int32).reshape(4, M)
-    ckpt[0, 1] = ckpt[0, 4] = ckpt[1, 0] = -1
-    kw = _inputs(mode, sum(lens), torch.bfloat16, seed=8)
-    pool = _pool(mode, torch.float32, [0, 2], seed=9, size=3 + 4 * M)
-    o, ref_o, ref_pool = _run_both(mode, kw, pool, checkpoint_every=every, checkpoint_indices=ckpt.to(DEVICE),
-                                   **_varlen_call(lens, slots, has_init))
-    assert_close(o, ref_o, 5e-3)
-    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert_checkpoints_match_oracle(mode, TRITON, every)
 
 
 @pytest.mark.parametrize("mode,gate", [
@@ -209,24 +151,24 @@ def test_checkpoints(mode, every):
     ("lightning", "l2norm"), ("lightning", "no_l2norm")])
 def test_gate_variants_fp32(mode, gate):
     lens, slots, has_init = [300, 64, 1], [2, 0, 1], [True, False, True]
-    kw = _inputs(mode, sum(lens), torch.float32, seed=10, fused_gate=gate != "prepared")
+    kw = inputs(mode, sum(lens), torch.float32, seed=10, fused_gate=gate != "prepared")
     if gate.endswith("no_bias"):
         kw["dt_bias"] = None
     if gate.startswith("safe"):
         kw["lower_bound"] = -5.0
     if gate == "l2norm":
         kw["use_qk_l2norm_in_kernel"] = True
-    pool = _pool(mode, torch.float32, [2, 1], seed=11)
-    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, has_init))
+    pool = poisoned_pool(mode, torch.float32, [2, 1], seed=11)
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **varlen_call(lens, slots, has_init))
     assert_close(o, ref_o, 1e-5)
-    _assert_same_writes(pool, ref_pool, 1e-5)
+    assert_same_writes(pool, ref_pool, 1e-5)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_no_pool(mode):
     lens = [200, 1, 64]
-    kw = _inputs(mode, sum(lens), torch.bfloat16, seed=12)
-    o, ref_o, _ = _run_both(mode, kw, None, cu_seqlens=_cu(lens))
+    kw = inputs(mode, sum(lens), torch.bfloat16, seed=12)
+    o, ref_o, _ = _run_both(mode, kw, None, cu_seqlens=cu(lens))
     assert_close(o, ref_o, 5e-3)
 
 
@@ -252,9 +194,9 @@ def test_strided_inputs_and_pool(mode):
     base = torch.full((POOL_SIZE, 2, HV, V, K), float("nan"), device=DEVICE)
     pool = base[:, 0]
     pool[slots] = torch.randn(len(slots), HV, V, K, generator=gen, device=DEVICE)
-    o, ref_o, ref_pool = _run_both(mode, kw, pool, **_varlen_call(lens, slots, [True, True]))
+    o, ref_o, ref_pool = _run_both(mode, kw, pool, **varlen_call(lens, slots, [True, True]))
     assert_close(o, ref_o, 5e-3)
-    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert_same_writes(pool, ref_pool, 5e-3)
     assert torch.isnan(base[:, 1]).all(), "the other half of the strided pool was written"
 
 
@@ -271,54 +213,19 @@ def test_lightning_strided_inputs_and_out(aligned):
     q, k, v, out = lightning_strided_views(sum(lens), s["H"], s["HV"], s["K"], s["V"], aligned, gen, DEVICE)
     assert descriptor_ready(q, k, v, out) == aligned
     kw = dict(q=q, k=k, v=v, decay=-torch.rand(s["HV"], generator=gen, device=DEVICE), use_qk_l2norm_in_kernel=True)
-    pool = _pool("lightning", torch.float32, slots, seed=15)
-    call = _varlen_call(lens, slots, [True] * len(lens))
-    o, ref_o, ref_pool = _run_both("lightning", kw, pool, out=out, **call)
+    pool = poisoned_pool("lightning", torch.float32, slots, seed=15)
+    batch = varlen_call(lens, slots, [True] * len(lens))
+    o, ref_o, ref_pool = _run_both("lightning", kw, pool, out=out, **batch)
     assert_close(o, ref_o, 5e-3)
-    _assert_same_writes(pool, ref_pool, 5e-3)
+    assert_same_writes(pool, ref_pool, 5e-3)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tokens", [0, 256], ids=["whole", "segments"])
 def test_cuda_graph_prefill(mode, tokens):
-    """Captured once (any host synchronisation would fail the capture), replayed with new inputs,
-    lengths and slots of the same token count: equals an eager call. With segments of 256 tokens
-    the replay's lengths give a sequence the capture's split differently."""
-    T = 600
-    static = _inputs(mode, T, torch.bfloat16, seed=14)
-    cu = _cu([300, 200, 100])
-    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
-    pool = _pool(mode, torch.float32, range(POOL_SIZE), seed=15)
-    out = torch.empty(T, *static["v"].shape[1:], dtype=torch.bfloat16, device=DEVICE)
-
-    def prefill():
-        return _call(mode, static, cu_seqlens=cu, state_pool=pool, state_indices=slots, out=out,
-                     segment_tokens=tokens, **TRITON)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        prefill()  # compiles the kernels
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        prefill()
-
-    fresh = _inputs(mode, T, torch.bfloat16, seed=16)
-    for key, val in fresh.items():
-        if isinstance(val, torch.Tensor):
-            static[key].copy_(val)
-    cu.copy_(_cu([1, 598, 1]))
-    slots.copy_(torch.tensor([7, -1, 3], dtype=torch.int32))
-    eager_pool = pool.clone()
-    graph.replay()
-    eager_out = torch.empty_like(out)
-    _call(mode, static, cu_seqlens=cu, state_pool=eager_pool, state_indices=slots, out=eager_out,
-          segment_tokens=tokens, **TRITON)
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager_out)
-    assert torch.equal(pool.nan_to_num(), eager_pool.nan_to_num())
-    assert (out[1:599] == 0).all()
+    """Captured once, replayed with new inputs, lengths and slots: equals an eager call. With
+    segments of 256 tokens the replay's lengths give a sequence the capture's split differently."""
+    assert_graph_replay_matches_eager(mode, dict(TRITON, segment_tokens=tokens), seed=14)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
