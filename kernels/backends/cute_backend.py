@@ -92,12 +92,6 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
     return None
 
 
-def native_map_columns(recipe) -> bool:
-    """The CuTe DSL prefill takes no map columns: the API widens v, and the widened call is
-    outside ``chunk_cute``'s shapes, so it goes to the Triton backend."""
-    return False
-
-
 def _no_options(operation: str, kwargs: dict):
     if kwargs:
         raise TypeError(f"cute backend {operation}: unexpected keyword arguments {sorted(kwargs)}")

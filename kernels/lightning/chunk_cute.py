@@ -58,6 +58,8 @@ from ..delta_rule.recurrent_cute import DTYPES, L2NORM_EPS
 C = CHUNK_SIZE
 HALF = 64  # state and output columns per consumer warpgroup
 HEAD_DIM = 128  # K and V
+# chunks in flight: 3 stages (192 KB of shared memory) were mixed on an H100, 64 heads, ns per
+# token-head: 4 x 8192 0.469 -> 0.455, 8 x 1024 0.620 -> 0.637, 16 x 2048 0.495 -> 0.584
 STAGES = 2
 THREADS = 384  # the producer warpgroup and two consumers
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
