@@ -6,7 +6,7 @@ import torch
 
 from cula_serve.inputs import MODE_SHAPES, random_inputs
 
-from conftest import assert_close, assert_same_writes, prefill_and_oracle, prefill_call
+from conftest import ORACLE, assert_close, assert_same_writes, prefill_and_oracle, prefill_call, to_float64
 
 DEVICE = torch.device("cuda")
 SHAPES = MODE_SHAPES
@@ -95,3 +95,43 @@ def assert_checkpoints_match_oracle(mode, backend, every):
                                             checkpoint_indices=ckpt.to(DEVICE), **varlen_call(lens, slots, has_init))
     assert_close(o, ref_o, 5e-3)
     assert_same_writes(pool, ref_pool, 5e-3)
+
+
+def assert_rows_past_2_31_elements(backend):
+    """Lightning at 64 heads on a packed batch whose [T, HV, V] tensors pass 2^31 elements
+    (262144 tokens, 4.3 GB each in bf16), where 32-bit offsets would wrap. A padding sequence
+    first (its zero rows cross the boundary); then a long sequence that crosses it, whose tail
+    must equal a rerun of that tail from the checkpoint taken before the boundary (same chunks,
+    same state: bit-identical); then a short sequence past it, against the float64 oracle.
+    ``backend``: the options of the backend's calls."""
+    boundary = (1 << 31) // (SHAPES["lightning"]["HV"] * SHAPES["lightning"]["V"])
+    tail = 192
+    pad, long, short = boundary // 2 + 64, boundary // 2 + 64, 300
+    prefix = long - tail  # a multiple of 64, ending below the boundary
+    assert pad + prefix < boundary < pad + long and prefix % 64 == 0
+    kw = inputs("lightning", pad + long + short, torch.bfloat16, seed=40)
+    pool = poisoned_pool("lightning", torch.float32, [0, 1], seed=41, size=4)
+    ckpt = torch.tensor([[-1], [2], [-1]], dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(kw["v"], float("nan"))
+    start = pool.clone()
+    prefill_call("lightning", kw, out=out, state_pool=pool, checkpoint_every=prefix, checkpoint_indices=ckpt,
+                 **varlen_call([pad, long, short], [-1, 0, 1], [True, True, True]), **backend)
+    assert (out[:pad] == 0).all(), "padding rows past the boundary"
+
+    rows = slice(pad + prefix, pad + long)
+    rerun_pool = pool.clone()
+    rerun_pool[0] = float("nan")
+    rerun_out = torch.empty_like(out[rows])
+    rerun = dict(kw, q=kw["q"][rows], k=kw["k"][rows], v=kw["v"][rows])
+    prefill_call("lightning", rerun, out=rerun_out, state_pool=rerun_pool, **varlen_call([tail], [2], [True]),
+                 **backend)
+    assert torch.equal(rerun_out, out[rows]), "the long sequence's rows past the boundary"
+    assert torch.equal(rerun_pool[2], pool[0]), "the long sequence's final state"
+
+    rows = slice(pad + long, pad + long + short)
+    last = dict(kw, q=kw["q"][rows], k=kw["k"][rows], v=kw["v"][rows])
+    ref_pool = start[1:2].double()
+    ref_o, _ = prefill_call("lightning", to_float64(last), state_pool=ref_pool, cu_seqlens=cu([short]),
+                            state_indices=torch.zeros(1, dtype=torch.int32, device=DEVICE), **ORACLE)
+    assert_close(out[rows], ref_o, 5e-3, "the sequence past the boundary")
+    assert_close(pool[1], ref_pool[0], 5e-3, "its final state")

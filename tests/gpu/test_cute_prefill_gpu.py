@@ -4,7 +4,7 @@ in one varlen batch with a padding row, permuted NaN-poisoned slots and has_init
 with and without qk l2norm; both pool dtypes; a sequence of several thousand tokens (final states
 near float32); many short and empty sequences; checkpoints; grouped value heads; no pool and
 dense initial states; strided views of a fused projection; a capture in a CUDA graph replayed
-with new inputs; and which calls automatic dispatch gives it.
+with new inputs; a packed batch past 2^31 elements; and which calls automatic dispatch gives it.
 
 Run with ``pytest -m gpu tests/gpu``; skipped where the cute backend is unavailable.
 """
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.gpu
 skip_module_unless_gpu()
 
 from prefill_checks import (DEVICE, SHAPES, assert_checkpoints_match_oracle,  # noqa: E402
-                            assert_graph_replay_matches_eager, cu, inputs, poisoned_pool, varlen_call)
+                            assert_graph_replay_matches_eager, assert_rows_past_2_31_elements, cu, inputs,
+                            poisoned_pool, varlen_call)
 
 _module, _reason = dispatch.backend_status("cute", DEVICE)
 if _module is None:
@@ -180,3 +181,8 @@ def test_automatic_dispatch(monkeypatch):
     with pytest.raises(ValueError, match="bf16"):
         cula_lightning(**fp32, backend="cute")
     assert torch.isnan(fp32["state_pool"]).all()
+
+
+def test_rows_past_2_31_elements():
+    """Offsets of a packed batch past 2^31 elements: 64-bit (``assert_rows_past_2_31_elements``)."""
+    assert_rows_past_2_31_elements(CUTE)

@@ -3,8 +3,8 @@
 lengths 1, 63, 64, 65, a few hundred and a thousand in one varlen batch with a padding row,
 permuted NaN-poisoned slots and has_initial_state mixes; a sequence of several thousand tokens;
 many short sequences; both pool dtypes; float32 inputs at 1e-5; checkpoints; every gate recipe;
-strided inputs and pools; and a prefill captured in a CUDA graph (which fails on any host
-synchronisation) replayed with new inputs.
+strided inputs and pools; a prefill captured in a CUDA graph (which fails on any host
+synchronisation) replayed with new inputs; and a Lightning batch past 2^31 elements.
 
 Run with ``pytest -m gpu tests/gpu``. The float64 oracle (the torch backend's recurrence) runs on
 the same GPU, token by token.
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 skip_module_unless_gpu()
 
 from prefill_checks import (DEVICE, POOL_SIZE, SHAPES, assert_checkpoints_match_oracle,  # noqa: E402
-                            assert_graph_replay_matches_eager, cu, inputs, poisoned_pool, varlen_call)
+                            assert_graph_replay_matches_eager, assert_rows_past_2_31_elements, cu, inputs,
+                            poisoned_pool, varlen_call)
 
 TRITON = dict(backend="triton")
 MODES = ["gdn", "kda", "lightning"]
@@ -244,3 +245,8 @@ def test_context_parallel_output_correction(dtype):
     expected = w[..., :V] + torch.einsum("lhk,hvk->lhv", w[..., V:], state.double())
     assert_close(out.double(), expected, tolerance(dtype, torch.float32))
     assert torch.isnan(out_full[..., V:]).all()
+
+
+def test_rows_past_2_31_elements():
+    """Offsets of a packed batch past 2^31 elements: 64-bit (``assert_rows_past_2_31_elements``)."""
+    assert_rows_past_2_31_elements(TRITON)
