@@ -129,5 +129,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-__all__ = ["ORACLE", "SMALL", "SMALL_MHA", "assert_close", "assert_untouched", "oracle_pool", "poisoned_pool",
-           "random_inputs", "relative_error", "to_float64", "tolerance"]
+__all__ = ["ORACLE", "PREFILL", "SMALL", "SMALL_MHA", "assert_close", "assert_same_writes", "assert_untouched",
+           "oracle_pool", "poisoned_pool", "prefill_and_oracle", "prefill_call", "random_inputs", "relative_error",
+           "to_float64", "tolerance"]
