@@ -83,10 +83,11 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
     if operation == "decode" and N * HV < 2048:
         return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
     if operation == "prefill" and mode == "lightning":
+        from ..common.segments import sm_count
         from ..lightning.chunk_triton import planned_segment_tokens
         device = tensors[0].device
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if N * HV < PREFILL_MIN_SM_SHARE * num_sms and planned_segment_tokens(T, N, HV, chunk_cute.HEAD_DIM, device):
+        if N * HV < PREFILL_MIN_SM_SHARE * sm_count(device) and planned_segment_tokens(
+                T, N, HV, chunk_cute.HEAD_DIM, device):
             return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel runs it in "
                     "segments, in parallel")
     return None

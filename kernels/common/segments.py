@@ -39,6 +39,7 @@ eager time.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -47,6 +48,11 @@ from .varlen import SEQ_BLOCK, locate_pieces, max_chunks, piece_counts
 
 # below this mean length the segmented pass's two more launches cost more host time than they save
 MIN_SEQUENCE_TOKENS = 4096
+
+
+def sm_count(device) -> int:
+    """The multiprocessors of a CUDA ``device``; 0 elsewhere (no segments unless requested)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_sms: int, *, min_tokens: int,

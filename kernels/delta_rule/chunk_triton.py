@@ -910,7 +910,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     if checkpoint_every and checkpoint_every % C:
         raise ValueError(f"checkpoint_every={checkpoint_every}: must be a multiple of {C}")
     device = q.device
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    num_sms = segments.sm_count(device)
     tokens = _segment_tokens(T, N, HV, K, V, num_sms, map_columns, segment_tokens)  # validates before any launch
     per_channel = recipe.mode == "kda"
     BK = max(triton.next_power_of_2(K), 16)

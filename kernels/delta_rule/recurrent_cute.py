@@ -87,8 +87,9 @@ GATE_NONE, GATE_SOFTPLUS, GATE_SAFE = range(3)  # prepared log decay; -A softplu
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: x above it is returned as is
+# bool tensors (a prefill's has_initial_state) are read as bytes
 DTYPES = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-          torch.int32: cutlass.Int32}
+          torch.int32: cutlass.Int32, torch.bool: cutlass.Uint8}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -730,9 +731,10 @@ _POINTERS = ("q", "k", "v", "g", "beta", "o", "saved_u", "A_log", "dt_bias", "po
              "state_indices", "num_accepted", "buffer_rows")
 
 
-def _pointer(dtype: torch.dtype, address: int, vector: bool = False):
-    element = dtype.itemsize
-    return make_ptr(DTYPES[dtype], address, AddressSpace.gmem, assumed_align=16 if vector else element)
+def pointer(dtype: torch.dtype, address: int, vector: bool = False):
+    """A CuTe DSL global-memory pointer of a torch dtype at ``address`` (0 for a tensor the kernel
+    never reads), assumed 16-byte aligned when ``vector`` (16-byte accesses), else element aligned."""
+    return make_ptr(DTYPES[dtype], address, AddressSpace.gmem, assumed_align=16 if vector else dtype.itemsize)
 
 
 @functools.lru_cache(maxsize=None)
@@ -741,7 +743,7 @@ def _compiled(dtypes: tuple, constexprs: tuple):
     ``constexprs`` the (name, value) pairs of ``_launch``'s compile-time arguments."""
     config = dict(constexprs)
     vector = config["VECTOR_POOL"]
-    fake = [_pointer(dt, 1 << 20, vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
+    fake = [pointer(dt, 1 << 20, vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
     scalars = [1, 1] + [1] * 26 + [1.0, 0.0]
     return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **config)
 
@@ -847,8 +849,8 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                   ("STAGE", stage))
     compiled = _compiled(dtypes, constexprs)
     vector = dict(constexprs)["VECTOR_POOL"]
-    pointers = [_pointer(dt, 0 if tensors[name] is None else tensors[name].data_ptr(),
-                         vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
+    pointers = [pointer(dt, 0 if tensors[name] is None else tensors[name].data_ptr(),
+                        vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
     buffer_strides = buffer.stride()[:2] if buffer is not None else (0, 0)
     with torch.cuda.device(v.device):
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)

@@ -39,6 +39,7 @@ one: H100, 64 heads, device time per token-head, 4 x 8192 0.381 against Triton's
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -48,12 +49,12 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import AddressSpace, make_fake_stream, make_ptr
+from cutlass.cute.runtime import make_fake_stream
 import cuda.bindings.driver as cuda
 
 from ..common.chunking import CHUNK_SIZE
 from ..common.prep import Recipe
-from ..delta_rule.recurrent_cute import DTYPES, L2NORM_EPS
+from ..delta_rule.recurrent_cute import L2NORM_EPS, pointer
 
 C = CHUNK_SIZE
 HALF = 64  # state and output columns per consumer warpgroup
@@ -420,27 +421,14 @@ def _launch(
 _POINTERS = ("q", "k", "v", "out", "pool", "decay", "cu_seqlens", "state_indices", "has_initial_state",
              "checkpoint_indices")
 _ALIGNED = ("q", "k", "v", "out")  # TMA bases and 16-byte row stores
-_POINTER_TYPES = {**DTYPES, torch.bool: cutlass.Uint8}  # has_initial_state is read as bytes
-
-
-def _pointer(dtype: torch.dtype, address: int, aligned: bool):
-    return make_ptr(_POINTER_TYPES[dtype], address, AddressSpace.gmem,
-                    assumed_align=16 if aligned else dtype.itemsize)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(dtypes: tuple, constexprs: tuple):
     """The compiled launcher for one configuration (``_POINTERS``' dtypes, ``_launch``'s constexprs)."""
-    fake = [_pointer(dt, 1 << 20, name in _ALIGNED) for name, dt in zip(_POINTERS, dtypes)]
+    fake = [pointer(dt, 1 << 20, name in _ALIGNED) for name, dt in zip(_POINTERS, dtypes)]
     scalars = [64, 1, 1, 0, C, 0, 1.0]
     return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **dict(constexprs))
-
-
-@functools.lru_cache(maxsize=None)
-def _placeholder(device: torch.device) -> torch.Tensor:
-    """A one-element int32 tensor whose address stands in for an absent optional tensor (the
-    kernel never reads it: its HAS_* flag is off)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _strides(q, k, v, out, pool) -> tuple:
@@ -497,11 +485,9 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     ckpt = checkpoint_indices if has_pool and checkpoint_every else None
     if ckpt is not None and ckpt.stride(1) != 1:
         ckpt = ckpt.contiguous()
-    placeholder = _placeholder(q.device)
+    # an absent tensor is never read (its HAS_* flag is off): a null int32 pointer stands in
     tensors = (q, k, v, out, state_pool if has_pool else out, g if g.dtype == torch.float32 else g.float(),
-               cu_seqlens, placeholder if state_indices is None else state_indices,
-               placeholder if has_initial_state is None else has_initial_state,
-               placeholder if ckpt is None else ckpt)
+               cu_seqlens, state_indices, has_initial_state, ckpt)
     for name, x, dtype in (("cu_seqlens", cu_seqlens, torch.int32), ("state_indices", state_indices, torch.int32),
                            ("has_initial_state", has_initial_state, torch.bool),
                            ("checkpoint_indices", ckpt, torch.int32)):
@@ -511,13 +497,14 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
                   ("QK_L2NORM", recipe.qk_l2norm), ("HAS_SLOTS", state_indices is not None),
                   ("HAS_POOL", has_pool), ("HAS_INIT_FLAGS", has_pool and has_initial_state is not None),
                   ("HAS_CKPT", ckpt is not None))
-    compiled = _compiled(tuple(x.dtype for x in tensors), constexprs)
-    pointers = [_pointer(x.dtype, x.data_ptr(), name in _ALIGNED) for name, x in zip(_POINTERS, tensors)]
+    dtypes = tuple(torch.int32 if x is None else x.dtype for x in tensors)
+    compiled = _compiled(dtypes, constexprs)
+    pointers = [pointer(dt, 0 if x is None else x.data_ptr(), name in _ALIGNED)
+                for name, dt, x in zip(_POINTERS, dtypes, tensors)]
     scalars = (T, N, state_pool.shape[0] if has_pool else 1, 0 if ckpt is None else ckpt.shape[1],
                checkpoint_every or C, 0 if ckpt is None else ckpt.stride(0), recipe.scale)
-    if q.device.index == torch.cuda.current_device():
+    # switching devices costs host time: only when the tensors are not on the current one
+    here = q.device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if here else torch.cuda.device(q.device):
         compiled(*pointers, *scalars, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    else:
-        with torch.cuda.device(q.device):
-            compiled(*pointers, *scalars, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     return out

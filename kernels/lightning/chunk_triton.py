@@ -164,8 +164,7 @@ def _lightning_kernel(
 def planned_segment_tokens(T: int, N: int, HV: int, V: int, device: torch.device, requested: int | None = None) -> int:
     """Tokens per segment that ``lightning_prefill`` cuts this batch into (0: none), from shapes
     alone (``segments.segment_tokens`` with Lightning's constants)."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-    return segments.segment_tokens(T, N, HV, V, num_sms, min_tokens=SEGMENT_MIN_TOKENS,
+    return segments.segment_tokens(T, N, HV, V, segments.sm_count(device), min_tokens=SEGMENT_MIN_TOKENS,
                                    programs_per_sm=SEGMENT_PROGRAMS_PER_SM, requested=requested)
 
 
