@@ -4,9 +4,10 @@
              kernels/delta_rule/recurrent_cute.py (gdn, kda and lightning: one kernel)
     buffer / slots commit
              the Triton backend's state copy (a plain copy of one state per sequence)
-    prefill  kernels/lightning/chunk_cute.py (Lightning, bf16 rows, K = V = 128); GDN and KDA
-             have no CuTe DSL prefill, so dispatch passes them and every other shape to the
-             Triton backend (``call_error``), and batches that Triton runs in segments (``defers``)
+    prefill  kernels/delta_rule/chunk_cute.py (GDN) and kernels/lightning/chunk_cute.py (Lightning),
+             bf16 rows, K = V = 128; KDA has no CuTe DSL prefill, so dispatch passes it and every
+             other shape to the Triton backend (``call_error``), and batches that Triton runs in
+             segments (``defers``)
 Shapes, dtypes, pool semantics and the three MTP protocols are those of the torch backend, the
 reference. Nothing synchronises with the host or compiles after the first call of a shape, so
 decode, verify and commit can be captured in CUDA graphs (warm up first: ``cula_serve.warmup``).
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 try:
-    from ..delta_rule import recurrent_cute
+    from ..delta_rule import chunk_cute as delta_chunk_cute, recurrent_cute
     from ..lightning import chunk_cute
     _IMPORT_ERROR = None
 except ImportError as err:  # pragma: no cover - depends on the environment
@@ -50,20 +51,21 @@ def head_dims_error(K: int, V: int) -> str | None:
 
 def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple = (), **_) -> str | None:
     """Why this backend cannot run a call that its dtypes and head dims admit (None when it can).
-    Its one prefill kernel is Lightning's for bf16 rows, K = V = 128 (``chunk_cute.unsupported``),
-    and it takes no backend options (``segment_tokens`` is the Triton backend's)."""
+    Its prefill kernels are GDN's and Lightning's for bf16 rows, K = V = 128 (the kernels'
+    ``unsupported``), and it takes no backend options (``segment_tokens`` is the Triton backend's)."""
     if operation != "prefill":
         return None
-    if mode != "lightning":
-        return f"no CuTe DSL prefill for {mode} (it has Lightning's; the triton backend runs {mode})"
     if options:
         return f"prefill options {sorted(options)} are not the cute backend's"
-    return chunk_cute.unsupported(*tensors)
+    if mode == "lightning":
+        return chunk_cute.unsupported(*tensors)
+    return delta_chunk_cute.unsupported(mode, *tensors)
 
 
-# Lightning prefill runs one CTA per sequence and value head, without segments; below this share
-# of the SMs the Triton kernel's segments win (H100, 1 x 8192 tokens, device time per
-# token-head: 48 heads 0.948 against Triton's 0.884, 64 heads 0.733 against 0.795).
+# The prefill kernels run one CTA per sequence and value head, without segments; below this share
+# of the SMs the Triton kernels' segments (and for GDN its state pass's V tiles) win (H100, device
+# time per token-head: Lightning 1 x 8192 tokens, 48 heads 0.948 against Triton's 0.884, 64 heads
+# 0.733 against 0.795; GDN at 32 heads, 1 x 32768 5.02 against 3.65, 4 x 8192 1.44 against 2.61).
 PREFILL_MIN_SM_SHARE = 0.4
 
 
@@ -76,20 +78,21 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
     as fast or faster. Verify and commit: faster, or within 5% (Lightning at B = 1 and 8), from
     B = 1 on (T = 4 deferred verify + commit, GDN B = 64: 128.0 against 152.8 us).
 
-    Lightning prefill: where the Triton kernel cuts the batch into segments (few long sequences
-    or few heads) and this kernel's CTAs would fill less than ``PREFILL_MIN_SM_SHARE`` of the
-    SMs (a TP4 shard's 16 heads on one 8192-token sequence: 2.90 against 1.15 ns per
-    token-head on an H100)."""
+    Prefill where the CuTe DSL kernel's CTAs (one per sequence and value head) would fill less
+    than ``PREFILL_MIN_SM_SHARE`` of the SMs: for Lightning where the Triton kernel also cuts the
+    batch into segments (a TP4 shard's 16 heads on one 8192-token sequence: 2.90 against 1.15
+    ns per token-head on an H100); for GDN always (the Triton state pass splits each head's V
+    columns over several programs even unsegmented)."""
     if operation == "decode" and N * HV < 2048:
         return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
-    if operation == "prefill" and mode == "lightning":
+    if operation == "prefill":
         from ..common.segments import sm_count
         from ..lightning.chunk_triton import planned_segment_tokens
         device = tensors[0].device
-        if N * HV < PREFILL_MIN_SM_SHARE * sm_count(device) and planned_segment_tokens(
-                T, N, HV, chunk_cute.HEAD_DIM, device):
-            return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel runs it in "
-                    "segments, in parallel")
+        if N * HV < PREFILL_MIN_SM_SHARE * sm_count(device) and (
+                mode != "lightning" or planned_segment_tokens(T, N, HV, chunk_cute.HEAD_DIM, device)):
+            return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel spreads it "
+                    "over more, in parallel")
     return None
 
 
@@ -100,12 +103,13 @@ def _no_options(operation: str, kwargs: dict):
 
 def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
             checkpoint_every=None, checkpoint_indices=None, **kwargs):
-    """Chunked prefill of a packed varlen batch (Lightning only); arguments as for the torch
-    backend's ``prefill``. Raises ValueError for tensors it cannot run (``call_error``)."""
+    """Chunked prefill of a packed varlen batch (GDN and Lightning); arguments as for the torch
+    backend's ``prefill``. Raises ValueError for calls it cannot run (``call_error``)."""
     _no_options("prefill", kwargs)
-    return chunk_cute.lightning_prefill(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool,
-                                        state_indices=state_indices, has_initial_state=has_initial_state, out=out,
-                                        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices)
+    run = chunk_cute.lightning_prefill if recipe.mode == "lightning" else delta_chunk_cute.gdn_prefill
+    return run(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices,
+               has_initial_state=has_initial_state, out=out, checkpoint_every=checkpoint_every,
+               checkpoint_indices=checkpoint_indices)
 
 
 def decode(recipe, q, k, v, g, beta, *, state_pool, state_indices, out, **kwargs):

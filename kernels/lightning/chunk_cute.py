@@ -39,7 +39,6 @@ one: H100, 64 heads, device time per token-head, 4 x 8192 0.381 against Triton's
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -52,97 +51,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_stream
 import cuda.bindings.driver as cuda
 
-from ..common.chunking import CHUNK_SIZE
+from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, check_index_dtypes,
+                                   checkpoints, gemm, kmajor, launch, produce, row_inv_norms, state_rows, store_rows,
+                                   store_state, strides, transposed, unsupported as unsupported_rows,
+                                   write_checkpoint, zero_rows)
 from ..common.prep import Recipe
-from ..delta_rule.recurrent_cute import L2NORM_EPS, pointer
+from ..delta_rule.recurrent_cute import pointer
 
-C = CHUNK_SIZE
-HALF = 64  # state and output columns per consumer warpgroup
-HEAD_DIM = 128  # K and V
-# chunks in flight: 3 stages (192 KB of shared memory) were mixed on an H100, 64 heads, ns per
-# token-head: 4 x 8192 0.469 -> 0.455, 8 x 1024 0.620 -> 0.637, 16 x 2048 0.495 -> 0.584
-STAGES = 2
-THREADS = 384  # the producer warpgroup and two consumers
-PRODUCER_REGS, CONSUMER_REGS = 24, 240
-LOG2E = 1.4426950408889634
-
-
-def _kmajor(rows: int, cols: int, stages: int | None = None):
-    """A bf16 [rows, cols] shared-memory tile (times ``stages``) in the 128-byte swizzled layout
-    that wgmma reads and TMA writes; its transposed view is the MN-major operand."""
-    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-    shape = (rows, cols) if stages is None else (rows, cols, stages)
-    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
-
-
-@cute.jit
-def _transposed(t: cute.Tensor) -> cute.Tensor:
-    """[a, b, ...] -> [b, a, ...] over the same memory."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
-@cute.jit
-def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: bool):
-    """acc (+)= a b over the k blocks of the fragments, issued and committed (not waited on)."""
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-    for kb in cutlass.range_constexpr(cute.size(a.shape[2])):
-        cute.gemm(atom, acc, a[None, None, kb], b[None, None, kb], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-
-
-@cute.jit
-def _row_inv_norms(tile: cute.Tensor, dst: cute.Tensor, tid: Int32, QK_L2NORM: cutlass.Constexpr[bool]):
-    """dst[r] = 1 / sqrt(sum_c tile[r, c]^2 + eps) for the 64 rows of a [64, 128] bf16 tile (two
-    threads a row, 16-byte loads), or 1."""
-    row = tid // 2
-    if const_expr(QK_L2NORM):
-        total = Float32(0.0)
-        part = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
-        for c in cutlass.range_constexpr(HEAD_DIM // 16):
-            col = c * 16 + (tid % 2) * 8
-            cute.autovec_copy(cute.local_tile(tile[row, None], (8,), (col // 8,)), part)
-            for e in cutlass.range_constexpr(8):
-                x = Float32(part[e])
-                total += x * x
-        total += cute.arch.shuffle_sync_bfly(total, offset=1)
-        if tid % 2 == 0:
-            dst[row] = cute.math.rsqrt(total + Float32(L2NORM_EPS), fastmath=True)
-    else:
-        if tid % 2 == 0:
-            dst[row] = Float32(1.0)
-
-
-@cute.jit
-def _produce(tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_tiles: cute.Tensor,
-             tma_v: cute.CopyAtom, v_tiles: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-             loads, bos: Int32, num_chunks: Int32, h: Int32, hv: Int32):
-    """The producer warp: each chunk's q, k and v tiles into the next free stage, by TMA."""
-    cpasync.prefetch_descriptor(tma_q)
-    cpasync.prefetch_descriptor(tma_k)
-    cpasync.prefetch_descriptor(tma_v)
-    parts = []
-    for tma, tiles, head, smem, cols in ((tma_q, q_tiles, h, sQ, HEAD_DIM), (tma_k, k_tiles, h, sK, HEAD_DIM),
-                                         (tma_v, v_tiles, hv, sV, HALF)):
-        rows = cute.domain_offset((bos, 0), tiles[None, None, head])
-        g = cute.local_tile(rows, (C, cols), (None, None))  # [C, cols, chunk, column block]
-        parts.append(cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                           cute.group_modes(g, 0, 2)))
-    (sQ_part, gQ_part), (sK_part, gK_part), (sV_part, gV_part) = parts
-    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-    for j in cutlass.range(num_chunks, unroll=1):
-        loads.producer_acquire(state)
-        full = loads.producer_get_barrier(state)
-        cute.copy(tma_q, gQ_part[None, j, 0], sQ_part[None, state.index], tma_bar_ptr=full)
-        cute.copy(tma_k, gK_part[None, j, 0], sK_part[None, state.index], tma_bar_ptr=full)
-        for half in cutlass.range_constexpr(2):
-            cute.copy(tma_v, gV_part[None, j, half], sV_part[None, 2 * state.index + half],
-                      tma_bar_ptr=full)
-        loads.producer_commit(state)
-        state.advance()
+CONSUMER_REGS = 240
 
 
 @cute.jit
@@ -175,9 +91,9 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
     tSrQ = mma_ss.make_fragment_A(thr_ss.partition_A(sQ))                       # Q [t, k]
     tSrK = mma_ss.make_fragment_B(thr_ss.partition_B(sK))                       # K [s, k]
     tOrS = mma_ss.make_fragment_B(thr_ss.partition_B(sS))                       # S^T' [v, k]
-    tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(_transposed(sV)))          # V as [v, s]
-    tUrK = mma_st.make_fragment_B(thr_st.partition_B(_transposed(sK)))          # K as [k, s]
-    tUsV = thr_st.partition_A(_transposed(sV))                                  # V^T [v, s] elements
+    tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(transposed(sV)))          # V as [v, s]
+    tUrK = mma_st.make_fragment_B(thr_st.partition_B(transposed(sK)))          # K as [k, s]
+    tUsV = thr_st.partition_A(transposed(sV))                                  # V^T [v, s] elements
     accP = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
     accO = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, HALF)), Float32)
     accS = cute.make_rmem_tensor(thr_st.partition_shape_C((HALF, HEAD_DIM)), Float32)
@@ -190,31 +106,21 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
 
     d = Float32(decay[hv]) * Float32(LOG2E)  # exp(x d) = exp2(x d log2 e)
     # S^T [v, k] = pool[slot, hv, v, k]: the K-last pool row for row
-    pool_rows = cute.local_tile(pool[cutlass.max(slot, Int64(0)), hv, None, None], (HALF, HEAD_DIM), (w, 0))
-    tSgP = thr_st.partition_C(pool_rows)
     accS.fill(0.0)
     if const_expr(HAS_POOL):
         read = live
         if const_expr(HAS_INIT_FLAGS):
             read = live & (has_initial_state[n] != 0)
         if read:
+            tSgP = state_rows(thr_st, pool, slot, hv, w)
             for i in cutlass.range_constexpr(cute.size(accS)):
                 accS[i] = Float32(tSgP[i])
     # stage S^T' for the first chunk's Q S^T'
     tSsS = thr_st.partition_C(sS)
     staged = cute.make_rmem_tensor(accS.layout, BFloat16)
 
-    # the output's 16-byte rows: 8 threads a row of 64 columns, 16 rows a pass
-    out_copy = cute.make_tiled_copy_tv(
-        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128),
-        cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
-    thr_out = out_copy.get_slice(tid)
-    tOsO_src = thr_out.partition_S(sO)
-    cO_rows = thr_out.partition_S(cute.make_identity_tensor((C, HALF)))
-    out_head = cute.domain_offset((bos, 0), out[None, None, hv])
     tOsO = thr_ss.partition_C(sO)
     out_staged = cute.make_rmem_tensor(accO.layout, BFloat16)
-    fragment = cute.make_rmem_tensor(tOsO_src[None, 0, 0].layout, BFloat16)
 
     if live:
         for i in cutlass.range_constexpr(cute.size(accS)):
@@ -228,13 +134,13 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             loads.consumer_wait(state)
             stage = state.index
             v_half = 2 * stage + w
-            _row_inv_norms(sQ[None, None, stage], rq, tid, QK_L2NORM)
-            _row_inv_norms(sK[None, None, stage], rk, tid, QK_L2NORM)
+            row_inv_norms(sQ[None, None, stage], rq, tid, QK_L2NORM)
+            row_inv_norms(sK[None, None, stage], rk, tid, QK_L2NORM)
             cute.arch.barrier(barrier_id=bar, number_of_threads=128)  # rq, rk, S^T' visible
 
             warpgroup.fence()
-            _gemm(mma_ss, accP, tSrQ[None, None, None, stage], tSrK[None, None, None, stage], False)
-            _gemm(mma_ss, accO, tSrQ[None, None, None, stage], tOrS, False)
+            gemm(mma_ss, accP, tSrQ[None, None, None, stage], tSrK[None, None, None, stage], False)
+            gemm(mma_ss, accO, tSrQ[None, None, None, stage], tOrS, False)
             # the state update needs only this chunk's v and k: issue it before waiting on P
             decay_L = cute.math.exp2(Float32(L) * d, fastmath=True)
             for i in cutlass.range_constexpr(cute.size(tUrV_hi)):
@@ -248,8 +154,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             for i in cutlass.range_constexpr(cute.size(accS)):
                 accS[i] = accS[i] * decay_L
             warpgroup.fence()
-            _gemm(mma_st, accS, tUrV_hi, tUrK[None, None, None, stage], True)
-            _gemm(mma_st, accS, tUrV_lo, tUrK[None, None, None, stage], True)
+            gemm(mma_st, accS, tUrV_hi, tUrK[None, None, None, stage], True)
+            gemm(mma_st, accS, tUrV_lo, tUrK[None, None, None, stage], True)
 
             # P -> (scale rq_t rk_s exp((t - s) d) [s <= t]) P in bf16, the A operand of P V
             for i in cutlass.range_constexpr(cute.size(accP)):
@@ -260,7 +166,7 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
                 t = cP[i][0]
                 accO[i] = accO[i] * (scale * rq[t] * cute.math.exp2(Float32(t + 1) * d, fastmath=True))
             warpgroup.fence()
-            _gemm(mma_pv, accO, tOrP, tOrV[None, None, None, v_half], True)
+            gemm(mma_pv, accO, tOrP, tOrV[None, None, None, v_half], True)
             warpgroup.wait_group(0)
             loads.consumer_release(state)
             state.advance()
@@ -270,40 +176,19 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
                 out_staged[i] = BFloat16(accO[i])
             cute.autovec_copy(out_staged, tOsO)
             cute.arch.barrier(barrier_id=bar, number_of_threads=128)  # sO written, S^T' read
-            out_tile = cute.local_tile(out_head, (C, HALF), (j, w))
-            tOgO = thr_out.partition_D(out_tile)
-            for r in cutlass.range_constexpr(cute.size(tOsO_src, mode=[1])):
-                if cO_rows[0, r, 0][0] < L:
-                    cute.autovec_copy(tOsO_src[None, r, 0], fragment)
-                    cute.autovec_copy(fragment, tOgO[None, r, 0])
+            store_rows(sO, out, hv, bos, j, w, L, tid, False)
             # S^T' for the next chunk
             for i in cutlass.range_constexpr(cute.size(accS)):
                 staged[i] = BFloat16(accS[i])
             cute.autovec_copy(staged, tSsS)
             cute.arch.fence_proxy("async.shared", space="cta")
             if const_expr(HAS_CKPT):
-                # the state after (c + 1) * checkpoint_every tokens, at full chunk ends only
-                done = (j + 1) * C
-                c = done // checkpoint_every - 1
-                if (L == C) & (done % checkpoint_every == 0) & (c < num_checkpoints):
-                    ck = Int64(checkpoint_indices[n, c])
-                    if ck >= 0:
-                        tCgP = thr_st.partition_C(
-                            cute.local_tile(pool[ck, hv, None, None], (HALF, HEAD_DIM), (w, 0)))
-                        for i in cutlass.range_constexpr(cute.size(accS)):
-                            tCgP[i] = accS[i].to(pool.element_type)
+                write_checkpoint(accS, thr_st, pool, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv,
+                                 w, j, L)
         if const_expr(HAS_POOL):
-            for i in cutlass.range_constexpr(cute.size(accS)):
-                tSgP[i] = accS[i].to(pool.element_type)
+            store_state(accS, thr_st, pool, slot, hv, w)
     else:
-        # padding: zero output rows, no state
-        fragment.fill(0.0)
-        for j in cutlass.range(num_chunks, unroll=1):
-            L = cutlass.min(length - j * C, C)
-            tOgO = thr_out.partition_D(cute.local_tile(out_head, (C, HALF), (j, w)))
-            for r in cutlass.range_constexpr(cute.size(tOsO_src, mode=[1])):
-                if cO_rows[0, r, 0][0] < L:
-                    cute.autovec_copy(fragment, tOgO[None, r, 0])
+        zero_rows(sO, out, hv, bos, length, w, tid)  # padding: zero output rows, no state
 
 
 @cute.kernel
@@ -334,10 +219,10 @@ def _lightning_kernel(
         slot = Int64(state_indices[n])
     live = slot >= 0
 
-    tile_layout = _kmajor(C, HEAD_DIM, STAGES)
-    v_layout = _kmajor(C, HALF, 2 * STAGES)  # stage s holds v's column halves at 2 s and 2 s + 1
-    state_layout = _kmajor(HALF, HEAD_DIM, 2)  # one bf16 S^T' per consumer
-    out_layout = _kmajor(C, HALF, 2)  # one output tile per consumer
+    tile_layout = kmajor(C, HEAD_DIM, STAGES)
+    v_layout = kmajor(C, HALF, 2 * STAGES)  # stage s holds v's column halves at 2 s and 2 s + 1
+    state_layout = kmajor(HALF, HEAD_DIM, 2)  # one bf16 S^T' per consumer
+    out_layout = kmajor(C, HALF, 2)  # one output tile per consumer
 
     @cute.struct
     class Shared:
@@ -365,7 +250,7 @@ def _lightning_kernel(
         cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
         if warp == 0:
             if live:
-                _produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv)
+                produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv)
     else:
         cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
         _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, pool, decay, has_initial_state,
@@ -384,12 +269,8 @@ def _launch(
     QK_L2NORM: cutlass.Constexpr[bool], HAS_SLOTS: cutlass.Constexpr[bool], HAS_POOL: cutlass.Constexpr[bool],
     HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
 ):
-    """Views of the raw pointers, the TMA descriptors and the launch. STRIDES (``_strides``) are
-    compile-time: fixed by a model's layout, they make every row's address a known multiple of
-    16 bytes at any token offset, so row accesses compile to 16-byte vectors (with run-time
-    strides each output element went out as a 2-byte store: H100, 64 heads 4 x 8192, 0.59 ns
-    per token-head against 0.37 without the store), and they leave the launch 7 scalars to
-    pass instead of 17."""
+    """Views of the raw pointers, the TMA descriptors and the launch. STRIDES are compile-time
+    (``cute_prefill.strides`` says why), which leaves the launch 7 scalars to pass instead of 17."""
     D = HEAD_DIM
     q_t, q_h, k_t, k_h, v_t, v_h, o_t, o_h, pool_s, pool_h = STRIDES
     # [T, D, heads] views, the row dim first: TMA tiles are [C, D] boxes of one head
@@ -405,9 +286,9 @@ def _launch(
     checkpoint_indices = cute.make_tensor(
         ckpt_ptr, cute.make_layout((N, num_checkpoints), stride=(checkpoint_stride, 1)))
     load = cpasync.CopyBulkTensorTileG2SOp()
-    tma_q, q_tiles = cpasync.make_tiled_tma_atom(load, q, _kmajor(C, D), (C, D))
-    tma_k, k_tiles = cpasync.make_tiled_tma_atom(load, k, _kmajor(C, D), (C, D))
-    tma_v, v_tiles = cpasync.make_tiled_tma_atom(load, v, _kmajor(C, HALF), (C, HALF))
+    tma_q, q_tiles = cpasync.make_tiled_tma_atom(load, q, kmajor(C, D), (C, D))
+    tma_k, k_tiles = cpasync.make_tiled_tma_atom(load, k, kmajor(C, D), (C, D))
+    tma_v, v_tiles = cpasync.make_tiled_tma_atom(load, v, kmajor(C, HALF), (C, HALF))
     _lightning_kernel(
         tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, decay, cu_seqlens, state_indices,
         has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale,
@@ -431,29 +312,9 @@ def _compiled(dtypes: tuple, constexprs: tuple):
     return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **dict(constexprs))
 
 
-def _strides(q, k, v, out, pool) -> tuple:
-    """``_launch``'s STRIDES: the row and head strides of q, k, v and out, the slot and head
-    strides of the pool (zeros without one)."""
-    return (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
-            *(pool.stride()[:2] if pool is not None else (0, 0)))
-
-
 def unsupported(q, k, v, out, pool) -> str | None:
-    """Why this kernel cannot run these tensors (None when it can): bf16 q, k, v and out whose
-    rows (last dim) are 128 wide, contiguous and 16-byte aligned (TMA loads, 16-byte stores), a
-    pool of contiguous [128, 128] states."""
-    if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype:
-        return f"inputs {q.dtype}: the CuTe DSL Lightning prefill takes bf16 q, k, v and out"
-    widths = (q.shape[-1], k.shape[-1], v.shape[-1], out.shape[-1])
-    if widths != (HEAD_DIM,) * 4:
-        return f"head dims (q, k, v, out) {widths}: the CuTe DSL Lightning prefill takes {HEAD_DIM}"
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
-        strides = x.stride()
-        if strides[-1] != 1 or x.data_ptr() % 16 or any(s % 8 for s in strides[:-1]):  # 8 bf16 = 16 bytes
-            return f"{name}: rows must be contiguous and 16-byte aligned for TMA (strides {strides})"
-    if pool is not None and pool.stride()[2:] != (HEAD_DIM, 1):
-        return f"state_pool strides {pool.stride()}: each [V, K] state must be contiguous"
-    return None
+    """Why this kernel cannot run these tensors (None when it can): ``cute_prefill.unsupported``."""
+    return unsupported_rows("Lightning", q, k, v, out, pool)
 
 
 def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
@@ -476,24 +337,16 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     why = unsupported(q, k, v, out, state_pool)
     if why:
         raise ValueError(why)
-    if checkpoint_every and checkpoint_every % C:
-        raise ValueError(f"checkpoint_every={checkpoint_every}: must be a multiple of {C}")
     T, H, _ = q.shape
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1
     has_pool = state_pool is not None
-    ckpt = checkpoint_indices if has_pool and checkpoint_every else None
-    if ckpt is not None and ckpt.stride(1) != 1:
-        ckpt = ckpt.contiguous()
+    ckpt = checkpoints(state_pool, checkpoint_every, checkpoint_indices)
     # an absent tensor is never read (its HAS_* flag is off): a null int32 pointer stands in
     tensors = (q, k, v, out, state_pool if has_pool else out, g if g.dtype == torch.float32 else g.float(),
                cu_seqlens, state_indices, has_initial_state, ckpt)
-    for name, x, dtype in (("cu_seqlens", cu_seqlens, torch.int32), ("state_indices", state_indices, torch.int32),
-                           ("has_initial_state", has_initial_state, torch.bool),
-                           ("checkpoint_indices", ckpt, torch.int32)):
-        if x is not None and x.dtype != dtype:
-            raise ValueError(f"{name}: expected {dtype}, got {x.dtype}")
-    constexprs = (("STRIDES", _strides(q, k, v, out, state_pool)), ("H", H), ("HV", HV),
+    check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
+    constexprs = (("STRIDES", strides(q, k, v, out, state_pool)), ("H", H), ("HV", HV),
                   ("QK_L2NORM", recipe.qk_l2norm), ("HAS_SLOTS", state_indices is not None),
                   ("HAS_POOL", has_pool), ("HAS_INIT_FLAGS", has_pool and has_initial_state is not None),
                   ("HAS_CKPT", ckpt is not None))
@@ -503,8 +356,5 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
                 for name, dt, x in zip(_POINTERS, dtypes, tensors)]
     scalars = (T, N, state_pool.shape[0] if has_pool else 1, 0 if ckpt is None else ckpt.shape[1],
                checkpoint_every or C, 0 if ckpt is None else ckpt.stride(0), recipe.scale)
-    # switching devices costs host time: only when the tensors are not on the current one
-    here = q.device.index == torch.cuda.current_device()
-    with contextlib.nullcontext() if here else torch.cuda.device(q.device):
-        compiled(*pointers, *scalars, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    launch(compiled, pointers, scalars, q.device)
     return out

@@ -1,18 +1,21 @@
-"""The cute backend's Lightning prefill (``kernels/lightning/chunk_cute.py``: bf16, K = V = 128)
-on a Hopper GPU against the float64 oracle: lengths 1, 63, 64, 65, a few hundred and a thousand
-in one varlen batch with a padding row, permuted NaN-poisoned slots and has_initial_state mixes,
-with and without qk l2norm; both pool dtypes; a sequence of several thousand tokens (final states
-near float32); many short and empty sequences; checkpoints; grouped value heads; no pool and
-dense initial states; strided views of a fused projection; a capture in a CUDA graph replayed
-with new inputs; a packed batch past 2^31 elements; and which calls automatic dispatch gives it.
+"""The cute backend's prefill kernels (``kernels/lightning/chunk_cute.py``, and
+``kernels/delta_rule/chunk_cute.py`` for GDN: bf16, K = V = 128) on a Hopper GPU against the
+float64 oracle: lengths 1, 63, 64, 65, a few hundred and a thousand in one varlen batch with a
+padding row, permuted NaN-poisoned slots and has_initial_state mixes, with and without qk l2norm
+(GDN: raw projections with the fused gate and beta sigmoid, or prepared gates and normalised q,
+k); both pool dtypes; a sequence of several thousand tokens; many short and empty sequences;
+checkpoints; grouped value heads; no pool and dense initial states; a capture in a CUDA graph
+replayed with new inputs; which calls automatic dispatch gives them. Lightning also: strided
+views of a fused projection, a packed batch past 2^31 elements.
 
 Run with ``pytest -m gpu tests/gpu``; skipped where the cute backend is unavailable.
 """
 import pytest
 import torch
 
-from cula_serve import cula_lightning, dispatch
+from cula_serve import cula_gdn, cula_lightning, dispatch
 from cula_serve.inputs import random_inputs
+from cula_serve.kernels.common.prep import l2norm as _l2norm
 
 from conftest import (ORACLE, assert_close, assert_same_writes, lightning_strided_views, prefill_and_oracle,
                       prefill_call, skip_module_unless_gpu, to_float64, tolerance)
@@ -30,47 +33,62 @@ if _module is None:
     pytest.skip(f"cute backend: {_reason}", allow_module_level=True)
 
 CUTE = dict(backend="cute")
-MODE = "lightning"
+MODE = "lightning"  # the tests of Lightning alone
+MODES = pytest.mark.parametrize("mode", ["lightning", "gdn"])
 # one varlen batch: permuted slots, row 3 is padding, rows 1 and 5 start from zeros (NaN slots)
 LENS = [1, 63, 64, 17, 65, 300, 1000]
 SLOTS = [9, 2, 11, -1, 0, 5, 7]
 HAS_INIT = [True, False, True, True, True, False, True]
 
 
-def _run(kw, pool, **options):
+def _run(mode, kw, pool, **options):
     """``prefill_and_oracle`` on the cute backend."""
-    return prefill_and_oracle(MODE, kw, pool, CUTE, **options)
+    return prefill_and_oracle(mode, kw, pool, CUTE, **options)
+
+
+def _inputs(mode, T, seed, l2norm=True):
+    """Model-shaped inputs; GDN without the in-kernel l2norm takes normalised q, k and prepared
+    gates (raw q, k would make the delta rule diverge), with it the raw projections and the fused
+    gate and beta sigmoid."""
+    kw = inputs(mode, T, torch.bfloat16, seed=seed, **({} if mode == "lightning" or l2norm else dict(fused_gate=False)))
+    if mode == "gdn" and not l2norm:
+        kw.update(q=_l2norm(kw["q"].float()).bfloat16(), k=_l2norm(kw["k"].float()).bfloat16())
+    kw["use_qk_l2norm_in_kernel"] = l2norm
+    return kw
 
 
 def _live(slots, has_init):
     return [s for s, h in zip(slots, has_init) if s >= 0 and h]
 
 
+@MODES
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32pool", "bf16pool"])
 @pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
-def test_varlen_model_shapes(state_dtype, l2norm):
-    kw = inputs(MODE, sum(LENS), torch.bfloat16, seed=1)
-    kw["use_qk_l2norm_in_kernel"] = l2norm
-    pool = poisoned_pool(MODE, state_dtype, _live(SLOTS, HAS_INIT), seed=2)
-    o, ref_o, ref_pool = _run(kw, pool, **varlen_call(LENS, SLOTS, HAS_INIT))
+def test_varlen_model_shapes(mode, state_dtype, l2norm):
+    kw = _inputs(mode, sum(LENS), seed=1, l2norm=l2norm)
+    pool = poisoned_pool(mode, state_dtype, _live(SLOTS, HAS_INIT), seed=2)
+    o, ref_o, ref_pool = _run(mode, kw, pool, **varlen_call(LENS, SLOTS, HAS_INIT))
     tol = tolerance(torch.bfloat16, state_dtype)
     assert_close(o, ref_o, tol)
     assert (o[sum(LENS[:3]):sum(LENS[:4])] == 0).all()
     assert_same_writes(pool, ref_pool, tol)
 
 
-def test_long_sequence_keeps_float32_states():
+@pytest.mark.parametrize("mode, state_tol", [("lightning", 5e-5), ("gdn", 5e-3)])
+def test_long_sequence(mode, state_tol):
     """One sequence of several thousand tokens next to a short one: outputs at the bf16
-    tolerance, final states near float32 (the state update keeps 16 bits of the decayed v)."""
+    tolerance; Lightning's final states near float32 (its state update keeps 16 bits of the
+    decayed v), GDN's at the bf16 tolerance (its T and W enter the tensor cores in bf16)."""
     lens, slots, has_init = [4133, 5, 700], [3, 1, 6], [True, False, True]
-    kw = inputs(MODE, sum(lens), torch.bfloat16, seed=3)
-    pool = poisoned_pool(MODE, torch.float32, [3, 6], seed=4)
-    o, ref_o, ref_pool = _run(kw, pool, **varlen_call(lens, slots, has_init))
+    kw = _inputs(mode, sum(lens), seed=3)
+    pool = poisoned_pool(mode, torch.float32, [3, 6], seed=4)
+    o, ref_o, ref_pool = _run(mode, kw, pool, **varlen_call(lens, slots, has_init))
     assert_close(o, ref_o, 5e-3)
-    assert_same_writes(pool, ref_pool, 5e-5, "final states")
+    assert_same_writes(pool, ref_pool, state_tol, "final states")
 
 
-def test_many_short_and_empty_sequences():
+@MODES
+def test_many_short_and_empty_sequences(mode):
     """256 sequences of 0 to 40 tokens: every CTA ends inside its first chunk, or has none."""
     gen = torch.Generator().manual_seed(5)
     N = 256
@@ -79,43 +97,46 @@ def test_many_short_and_empty_sequences():
     slots = torch.randperm(N + 64, generator=gen)[:N]
     slots[::7] = -1
     has_init = torch.rand(N, generator=gen) < 0.8
-    kw = inputs(MODE, sum(lens), torch.bfloat16, seed=6)
-    pool = poisoned_pool(MODE, torch.float32, slots[(slots >= 0) & has_init].tolist(), seed=7, size=N + 64)
-    o, ref_o, ref_pool = _run(kw, pool, **varlen_call(lens, slots.tolist(), has_init.tolist()))
+    kw = _inputs(mode, sum(lens), seed=6)
+    pool = poisoned_pool(mode, torch.float32, slots[(slots >= 0) & has_init].tolist(), seed=7, size=N + 64)
+    o, ref_o, ref_pool = _run(mode, kw, pool, **varlen_call(lens, slots.tolist(), has_init.tolist()))
     assert_close(o, ref_o, 5e-3)
     assert_same_writes(pool, ref_pool, 5e-3)
 
 
+@MODES
 @pytest.mark.parametrize("every", [64, 128])
-def test_checkpoints(every):
-    assert_checkpoints_match_oracle(MODE, CUTE, every)
+def test_checkpoints(mode, every):
+    assert_checkpoints_match_oracle(mode, CUTE, every)
 
 
+@MODES
 @pytest.mark.parametrize("H", [16, 1])
-def test_grouped_value_heads(H):
-    """64 value heads reading H qk heads (value head hv reads qk head hv // (64 // H))."""
+def test_grouped_value_heads(mode, H):
+    """The model's value heads reading H qk heads (value head hv reads qk head hv // (HV // H))."""
     lens, slots, has_init = [300, 77, 1], [2, 0, 1], [True, False, True]
-    s = SHAPES[MODE]
-    kw = random_inputs(MODE, (sum(lens),), H=H, HV=s["HV"], K=s["K"], V=s["V"], dtype=torch.bfloat16,
+    s = SHAPES[mode]
+    kw = random_inputs(mode, (sum(lens),), H=H, HV=s["HV"], K=s["K"], V=s["V"], dtype=torch.bfloat16,
                        device=DEVICE, generator=torch.Generator().manual_seed(10 + H))
     kw["use_qk_l2norm_in_kernel"] = True
-    pool = poisoned_pool(MODE, torch.float32, [2, 1], seed=11)
-    o, ref_o, ref_pool = _run(kw, pool, **varlen_call(lens, slots, has_init))
+    pool = poisoned_pool(mode, torch.float32, [2, 1], seed=11)
+    o, ref_o, ref_pool = _run(mode, kw, pool, **varlen_call(lens, slots, has_init))
     assert_close(o, ref_o, 5e-3)
     assert_same_writes(pool, ref_pool, 5e-3)
 
 
-def test_no_pool_and_dense_states():
+@MODES
+def test_no_pool_and_dense_states(mode):
     """Without a pool (outputs only), and FLA-style dense initial / final states."""
     lens = [200, 1, 64]
-    kw = inputs(MODE, sum(lens), torch.bfloat16, seed=12)
-    o, ref_o, _ = _run(kw, None, cu_seqlens=cu(lens))
+    kw = _inputs(mode, sum(lens), seed=12)
+    o, ref_o, _ = _run(mode, kw, None, cu_seqlens=cu(lens))
     assert_close(o, ref_o, 5e-3)
-    s = SHAPES[MODE]
+    s = SHAPES[mode]
     initial = torch.randn(len(lens), s["HV"], s["V"], s["K"], generator=torch.Generator(DEVICE).manual_seed(13),
                           device=DEVICE)
-    o, final = prefill_call(MODE, kw, cu_seqlens=cu(lens), initial_state=initial, output_final_state=True, **CUTE)
-    ref_o, ref_final = prefill_call(MODE, to_float64(kw), cu_seqlens=cu(lens), initial_state=initial.double(),
+    o, final = prefill_call(mode, kw, cu_seqlens=cu(lens), initial_state=initial, output_final_state=True, **CUTE)
+    ref_o, ref_final = prefill_call(mode, to_float64(kw), cu_seqlens=cu(lens), initial_state=initial.double(),
                                     output_final_state=True, **ORACLE)
     assert_close(o, ref_o, 5e-3)
     assert_close(final, ref_final, 5e-3, "final states")
@@ -130,32 +151,34 @@ def test_strided_inputs_and_out():
     q, k, v, out = lightning_strided_views(sum(lens), s["H"], s["HV"], s["K"], s["V"], True, gen, DEVICE)
     kw = dict(q=q, k=k, v=v, decay=-torch.rand(s["HV"], generator=gen, device=DEVICE), use_qk_l2norm_in_kernel=True)
     pool = poisoned_pool(MODE, torch.float32, slots, seed=15)
-    o, ref_o, ref_pool = _run(kw, pool, out=out, **varlen_call(lens, slots, [True] * len(lens)))
+    o, ref_o, ref_pool = _run(MODE, kw, pool, out=out, **varlen_call(lens, slots, [True] * len(lens)))
     assert_close(o, ref_o, 5e-3)
     assert_same_writes(pool, ref_pool, 5e-3)
 
 
-def test_cuda_graph_prefill():
+@MODES
+def test_cuda_graph_prefill(mode):
     """Captured once, replayed with new inputs, lengths and slots: equals an eager call."""
-    assert_graph_replay_matches_eager(MODE, CUTE, seed=16)
+    assert_graph_replay_matches_eager(mode, CUTE, seed=16)
 
 
-def _picked(monkeypatch, **call_args):
-    """The backend automatic dispatch runs a Lightning prefill on: "cute" if its prefill was called."""
+def _picked(monkeypatch, run=cula_lightning, **call_args):
+    """The backend automatic dispatch runs a prefill on: "cute" if its prefill was called."""
     from cula_serve.kernels.backends import cute_backend
 
     calls = []
     original = cute_backend.prefill
     monkeypatch.setattr(cute_backend, "prefill", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    cula_lightning(**call_args)
+    run(**call_args)
     return "cute" if calls else "other"
 
 
 def test_automatic_dispatch(monkeypatch):
-    """bf16 rows at K = V = 128 run on the CuTe DSL kernel; float32 inputs, unaligned rows,
-    other head dims, and batches that Triton cuts into segments where this kernel would fill few
-    SMs (one long sequence at 16 heads) go to the triton backend; a named cute backend refuses
-    what it cannot run and writes nothing."""
+    """bf16 rows at K = V = 128 run on the CuTe DSL kernels (Lightning, GDN; KDA has none);
+    float32 inputs, unaligned rows, other head dims, and batches whose CTAs would fill few SMs
+    (Lightning: where Triton cuts them into segments, one long sequence at 16 heads; GDN: one
+    sequence at 32 heads) go to the triton backend; a named cute backend refuses what it cannot
+    run and writes nothing."""
     s = SHAPES[MODE]
     gen = torch.Generator(device=DEVICE).manual_seed(19)
 
@@ -175,6 +198,13 @@ def test_automatic_dispatch(monkeypatch):
     unaligned = args(1024)
     unaligned["q"] = torch.randn(1024, s["HV"], s["K"] + 1, device=DEVICE).bfloat16()[..., 1:]
     assert _picked(monkeypatch, **unaligned) == "other"
+
+    gdn = _inputs("gdn", 512, seed=20)
+    gdn_call = dict(gdn, cu_seqlens=cu([500, 12]))
+    assert _picked(monkeypatch, cula_gdn, **gdn_call) == "cute"  # 2 x 32 CTAs
+    assert _picked(monkeypatch, cula_gdn, **dict(gdn, cu_seqlens=cu([512]))) == "other"  # 32 CTAs: Triton's V tiles
+    kda = inputs("kda", 512, torch.bfloat16, seed=21)
+    assert _picked(monkeypatch, lambda **kw: prefill_call("kda", kw), **kda) == "other"
 
     fp32 = args(256, dtype=torch.float32)
     fp32["state_pool"].fill_(float("nan"))

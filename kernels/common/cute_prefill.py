@@ -1,0 +1,229 @@
+"""Pieces the CuTe DSL chunked prefill kernels for SM90 share (``lightning/chunk_cute.py``,
+``delta_rule/chunk_cute.py``): one CTA per (sequence, value head), a producer warp streaming each
+chunk's q, k, v tiles by TMA, two consumer warpgroups each owning HALF = 64 rows of the state
+S^T [V, K] in wgmma accumulators and 64 output columns.
+
+Device side: the swizzled operand tiles, wgmma issue, the TMA producer, the rows' l2 norms, the
+output's 16-byte row stores, state checkpoints. Host side: which tensors the kernels take, the
+compile-time strides, the index checks and the launch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+import cuda.bindings.driver as cuda
+
+from .chunking import CHUNK_SIZE
+from .prep import L2NORM_EPS
+
+C = CHUNK_SIZE
+HALF = 64  # state rows and output columns per consumer warpgroup
+HEAD_DIM = 128  # K and V
+# chunks in flight: 3 stages (192 KB of shared memory) were mixed on an H100 for Lightning, 64
+# heads, ns per token-head: 4 x 8192 0.469 -> 0.455, 8 x 1024 0.620 -> 0.637, 16 x 2048 0.495 -> 0.584
+STAGES = 2
+THREADS = 384  # the producer warpgroup and two consumers
+PRODUCER_REGS = 24
+LOG2E = 1.4426950408889634
+
+
+def kmajor(rows: int, cols: int, stages: int | None = None):
+    """A bf16 [rows, cols] shared-memory tile (times ``stages``) in the 128-byte swizzled layout
+    that wgmma reads and TMA writes; its transposed view is the MN-major operand."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+
+@cute.jit
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """[a, b, ...] -> [b, a, ...] over the same memory."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: bool):
+    """acc (+)= a b over the k blocks of the fragments, issued and committed (not waited on)."""
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for kb in cutlass.range_constexpr(cute.size(a.shape[2])):
+        cute.gemm(atom, acc, a[None, None, kb], b[None, None, kb], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def row_inv_norms(tile: cute.Tensor, dst: cute.Tensor, tid: Int32, QK_L2NORM: cutlass.Constexpr[bool]):
+    """dst[r] = 1 / sqrt(sum_c tile[r, c]^2 + eps) for the 64 rows of a [64, 128] bf16 tile (two
+    threads a row, 16-byte loads), or 1."""
+    row = tid // 2
+    if const_expr(QK_L2NORM):
+        total = Float32(0.0)
+        part = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+        for c in cutlass.range_constexpr(HEAD_DIM // 16):
+            col = c * 16 + (tid % 2) * 8
+            cute.autovec_copy(cute.local_tile(tile[row, None], (8,), (col // 8,)), part)
+            for e in cutlass.range_constexpr(8):
+                x = Float32(part[e])
+                total += x * x
+        total += cute.arch.shuffle_sync_bfly(total, offset=1)
+        if tid % 2 == 0:
+            dst[row] = cute.math.rsqrt(total + Float32(L2NORM_EPS), fastmath=True)
+    else:
+        if tid % 2 == 0:
+            dst[row] = Float32(1.0)
+
+
+@cute.jit
+def produce(tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_tiles: cute.Tensor,
+            tma_v: cute.CopyAtom, v_tiles: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+            loads, bos: Int32, num_chunks: Int32, h: Int32, hv: Int32):
+    """The producer warp: each chunk's q, k and v tiles into the next free stage, by TMA."""
+    cpasync.prefetch_descriptor(tma_q)
+    cpasync.prefetch_descriptor(tma_k)
+    cpasync.prefetch_descriptor(tma_v)
+    parts = []
+    for tma, tiles, head, smem, cols in ((tma_q, q_tiles, h, sQ, HEAD_DIM), (tma_k, k_tiles, h, sK, HEAD_DIM),
+                                         (tma_v, v_tiles, hv, sV, HALF)):
+        rows = cute.domain_offset((bos, 0), tiles[None, None, head])
+        g = cute.local_tile(rows, (C, cols), (None, None))  # [C, cols, chunk, column block]
+        parts.append(cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                           cute.group_modes(g, 0, 2)))
+    (sQ_part, gQ_part), (sK_part, gK_part), (sV_part, gV_part) = parts
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+    for j in cutlass.range(num_chunks, unroll=1):
+        loads.producer_acquire(state)
+        full = loads.producer_get_barrier(state)
+        cute.copy(tma_q, gQ_part[None, j, 0], sQ_part[None, state.index], tma_bar_ptr=full)
+        cute.copy(tma_k, gK_part[None, j, 0], sK_part[None, state.index], tma_bar_ptr=full)
+        for half in cutlass.range_constexpr(2):
+            cute.copy(tma_v, gV_part[None, j, half], sV_part[None, 2 * state.index + half],
+                      tma_bar_ptr=full)
+        loads.producer_commit(state)
+        state.advance()
+
+
+@cute.jit
+def store_rows(sO: cute.Tensor, out: cute.Tensor, hv: Int32, bos: Int32, j: Int32, w: Int32, L: Int32, tid: Int32,
+               ZERO: cutlass.Constexpr[bool]):
+    """Rows t < L of chunk j's output columns w * 64 .. w * 64 + 63 (bf16 [C, 64] in ``sO``, or
+    zeros with ZERO) into out [T, V, HV], 16 bytes a thread: 8 threads a row, 16 rows a pass."""
+    out_copy = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128),
+        cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+    thr_out = out_copy.get_slice(tid)
+    src = thr_out.partition_S(sO)
+    rows = thr_out.partition_S(cute.make_identity_tensor((C, HALF)))
+    dst = thr_out.partition_D(cute.local_tile(cute.domain_offset((bos, 0), out[None, None, hv]), (C, HALF), (j, w)))
+    fragment = cute.make_rmem_tensor(src[None, 0, 0].layout, BFloat16)
+    if const_expr(ZERO):
+        fragment.fill(0.0)
+    for r in cutlass.range_constexpr(cute.size(src, mode=[1])):
+        if rows[0, r, 0][0] < L:
+            if const_expr(not ZERO):
+                cute.autovec_copy(src[None, r, 0], fragment)
+            cute.autovec_copy(fragment, dst[None, r, 0])
+
+
+@cute.jit
+def zero_rows(sO: cute.Tensor, out: cute.Tensor, hv: Int32, bos: Int32, length: Int32, w: Int32, tid: Int32):
+    """A padding sequence's output columns: zeros in every row."""
+    for j in cutlass.range((length + C - 1) // C, unroll=1):
+        store_rows(sO, out, hv, bos, j, w, cutlass.min(length - j * C, C), tid, True)
+
+
+@cute.jit
+def write_checkpoint(accS: cute.Tensor, thr_st, pool: cute.Tensor, checkpoint_indices: cute.Tensor,
+                     checkpoint_every: Int32, num_checkpoints: Int32, n: Int32, hv: Int32, w: Int32, j: Int32,
+                     L: Int32):
+    """After chunk j: the state after (c + 1) * checkpoint_every tokens into slot
+    checkpoint_indices[n, c] (skipped when negative), at full chunk ends only."""
+    done = (j + 1) * C
+    c = done // checkpoint_every - 1
+    if (L == C) & (done % checkpoint_every == 0) & (c < num_checkpoints):
+        ck = Int64(checkpoint_indices[n, c])
+        if ck >= 0:
+            store_state(accS, thr_st, pool, ck, hv, w)
+
+
+@cute.jit
+def state_rows(thr_st, pool: cute.Tensor, slot: Int64, hv: Int32, w: Int32) -> cute.Tensor:
+    """This thread's elements of state rows w * 64 .. w * 64 + 63 of pool[slot, hv] (K-last:
+    S^T [v, k] row for row), partitioned as the state accumulator."""
+    return thr_st.partition_C(cute.local_tile(pool[slot, hv, None, None], (HALF, HEAD_DIM), (w, 0)))
+
+
+@cute.jit
+def store_state(accS: cute.Tensor, thr_st, pool: cute.Tensor, slot: Int64, hv: Int32, w: Int32):
+    """The float32 state accumulator into its rows of pool[slot, hv], in the pool's dtype."""
+    dst = state_rows(thr_st, pool, slot, hv, w)
+    for i in cutlass.range_constexpr(cute.size(accS)):
+        dst[i] = accS[i].to(pool.element_type)
+
+
+# ------------------------------------------------------------------------------------------------
+# host side
+
+
+def strides(q, k, v, out, pool) -> tuple:
+    """The kernels' STRIDES constexpr: the row and head strides of q, k, v and out, the slot and
+    head strides of the pool (zeros without one). Compile-time, so that every row's address is a
+    known multiple of 16 bytes at any token offset and row accesses compile to 16-byte vectors
+    (with run-time strides each output element went out as a 2-byte store: H100, Lightning, 64
+    heads 4 x 8192, 0.59 ns per token-head against 0.37)."""
+    return (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
+            *(pool.stride()[:2] if pool is not None else (0, 0)))
+
+
+def unsupported(kernel: str, q, k, v, out, pool) -> str | None:
+    """Why the ``kernel`` prefill cannot run these tensors (None when it can): bf16 q, k, v and
+    out whose rows (last dim) are 128 wide, contiguous and 16-byte aligned (TMA loads, 16-byte
+    stores), a pool of contiguous [128, 128] states."""
+    if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype:
+        return f"inputs {q.dtype}: the CuTe DSL {kernel} prefill takes bf16 q, k, v and out"
+    widths = (q.shape[-1], k.shape[-1], v.shape[-1], out.shape[-1])
+    if widths != (HEAD_DIM,) * 4:
+        return f"head dims (q, k, v, out) {widths}: the CuTe DSL {kernel} prefill takes {HEAD_DIM}"
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        stride = x.stride()
+        if stride[-1] != 1 or x.data_ptr() % 16 or any(s % 8 for s in stride[:-1]):  # 8 bf16 = 16 bytes
+            return f"{name}: rows must be contiguous and 16-byte aligned for TMA (strides {stride})"
+    if pool is not None and pool.stride()[2:] != (HEAD_DIM, 1):
+        return f"state_pool strides {pool.stride()}: each [V, K] state must be contiguous"
+    return None
+
+
+def checkpoints(state_pool, checkpoint_every, checkpoint_indices):
+    """The int32 [N, M] checkpoint slots with unit column stride, or None when no checkpoint is
+    written; checks ``checkpoint_every``."""
+    if checkpoint_every and checkpoint_every % C:
+        raise ValueError(f"checkpoint_every={checkpoint_every}: must be a multiple of {C}")
+    ckpt = checkpoint_indices if state_pool is not None and checkpoint_every else None
+    if ckpt is not None and ckpt.stride(1) != 1:
+        ckpt = ckpt.contiguous()
+    return ckpt
+
+
+def check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt):
+    for name, x, dtype in (("cu_seqlens", cu_seqlens, torch.int32), ("state_indices", state_indices, torch.int32),
+                           ("has_initial_state", has_initial_state, torch.bool),
+                           ("checkpoint_indices", ckpt, torch.int32)):
+        if x is not None and x.dtype != dtype:
+            raise ValueError(f"{name}: expected {dtype}, got {x.dtype}")
+
+
+def launch(compiled, pointers, scalars, device: torch.device):
+    """Run a compiled launcher on the current stream. Host work per call is kept small (it is not
+    hidden behind the kernel when the GPU waits on it): devices are switched only when the tensors
+    sit on another one."""
+    here = device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if here else torch.cuda.device(device):
+        compiled(*pointers, *scalars, cuda.CUstream(torch.cuda.current_stream().cuda_stream))

@@ -1,0 +1,614 @@
+"""Chunked prefill of GDN (the gated delta rule with a scalar gate) in CuTe DSL for SM90: one fused kernel.
+
+The math is ``chunk_torch.py``'s WY form (read ``chunk_triton.py``'s docstring first). Per chunk of
+C = 64 tokens, rows t = 0 .. L - 1 valid, G the chunk-local cumulative log gate, rk / rq the rows'
+inverse l2 norms (or 1), beta zero on rows t >= L, S^T [V, K] the entering state (the pool's
+K-last layout):
+
+    A_ts  = beta_t rk_t rk_s exp(G_t - G_s) k_t . k_s   (s < t)         T = (I + A)^-1
+    T'    = T diag(beta)                                 T'' = T diag(beta exp(G) rk)
+    W     = T'' K                                        (C x K)
+    U^T   = V^T T'^T - S^T W^T                           (V x C: the delta rule's new values)
+    O^T   = (scale rq_t exp(G_t)) * (S^T Q^T) + U^T P^T,  P_ts = scale rq_t rk_s exp(G_t - G_s) q_t . k_s  (s <= t)
+    S^T  <- exp(G_L-1) S^T + (U^T * (exp(G_L-1 - G_s) rk_s [s < L])) K
+
+With beta zero past the end, rows t >= L of A, T', T'', W and U are exactly zero, so the next
+sequence's tokens that fill the chunk's tail (or TMA's zeros past the tensor) change nothing.
+Every exponent is <= 0: nothing overflows.
+
+One CTA per (sequence, value head), three warpgroups, as ``lightning/chunk_cute.py``:
+- warpgroup 0, the producer: one warp streams each chunk's q, k and v tiles into a ring of
+  STAGES shared-memory buffers by TMA;
+- warpgroups 1 and 2, the consumers, each owning V / 2 = 64 state rows S^T [64 v, K] in float32
+  wgmma accumulators for the whole sequence. Per chunk, both together (named barriers between):
+  1. the gates (one warp: the fused gate, a warp scan for G, the beta sigmoid) and row norms
+     (consumer 0: k, consumer 1: q);
+  2. consumer 0 forms A = K K^T (wgmma) into float32 shared memory, consumer 1 P = Q K^T (bf16);
+  3. T = (I + A)^-1 by both in float32 on the CUDA cores: the four 16 x 16 diagonal blocks by
+     forward substitution (a thread per column), then each 16-row block from the ones above,
+     T_I,<I = -T_II (A_I,<I T_<I,<I); then T' and T'' in bf16;
+  4. W = T'' K, each consumer 64 of its K columns (wgmma), stored as -W in bf16;
+  5. each consumer its own rows: U^T (two wgmma into one accumulator), O^T = S^T Q^T, then
+     O^T += U^T P^T and the state update with U^T from registers (wgmma's register A operand),
+     the output through shared memory in 16-byte rows.
+The state update takes U^T as two bf16 parts (hi + lo: 16 bits of mantissa) as Lightning's does:
+the state carries its error across chunks. T', T'', W, S^T (in W S and Q S) and P are bf16 operands,
+as in FLA's pipeline; the accumulations are float32.
+
+Supported: bf16 q / k / v with K = V = 128 and 16-byte aligned rows, float32 / bf16 gates and beta
+as given or fused (``Recipe.fused_gate``, ``beta_logits``), float32 or bf16 pools, padding slots,
+has_initial_state, GVA, qk l2norm, checkpoints, dense states (through the API); the dispatcher
+passes anything else (KDA included) to Triton.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_stream
+import cuda.bindings.driver as cuda
+
+from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, check_index_dtypes,
+                                   checkpoints, gemm, kmajor, launch, produce, row_inv_norms, state_rows, store_rows,
+                                   store_state, strides, transposed, unsupported as unsupported_rows,
+                                   write_checkpoint, zero_rows)
+from ..common.prep import Recipe
+from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid, pointer
+
+BLOCK = 16  # rows of the triangular solve's diagonal blocks
+# float32 row stride of A and T in shared memory: with 64 the rows' same columns share banks (the
+# accumulator's stores into A were 8-way conflicts, T's row reads by quarter rows as well)
+ROW_STRIDE = C + 8
+CONSUMER_REGS = 240
+ALL = 3  # named barrier of both consumer warpgroups (0 is the CTA's, 1 and 2 each consumer's)
+
+
+@cute.jit
+def _load_gates(g: cute.Tensor, beta: cute.Tensor, row0: Int32, L: Int32, hv: Int32, lane: Int32) -> list:
+    """The raw gate inputs and betas of rows 2 lane and 2 lane + 1 of a chunk starting at token
+    row0 with L valid rows (zeros past L), as [g, g, beta, beta]. Loaded a chunk ahead, so that
+    the loads' latency passes during the chunk before (1.6 of 13.5 us per chunk when waited on)."""
+    raw = []
+    for e in cutlass.range_constexpr(2):
+        x = Float32(0.0)
+        if 2 * lane + e < L:
+            x = Float32(g[row0 + 2 * lane + e, hv])
+        raw.append(x)
+    for e in cutlass.range_constexpr(2):
+        b = Float32(0.0)
+        if 2 * lane + e < L:
+            b = Float32(beta[row0 + 2 * lane + e, hv])
+        raw.append(b)
+    return raw
+
+
+@cute.jit
+def _chunk_gates(raw: list, sG: cute.Tensor, sB: cute.Tensor, L: Int32, A: Float32, bias: Float32, lane: Int32,
+                 GATE: cutlass.Constexpr[int], BETA_LOGITS: cutlass.Constexpr[bool]):
+    """One warp: sG[t] = G_t (the cumulative log gate within the chunk) and sB[t] = beta_t for the
+    64 rows (two a lane, from ``_load_gates``); rows t >= L get g = 0 and beta = 0."""
+    gs = []
+    for e in cutlass.range_constexpr(2):
+        valid = 2 * lane + e < L
+        x = _log_decay(raw[e], bias, A, Float32(0.0), GATE)
+        b = raw[2 + e]
+        if const_expr(BETA_LOGITS):
+            b = _sigmoid(b)
+        gs.append(cutlass.select_(valid, x, Float32(0.0)))
+        sB[2 * lane + e] = cutlass.select_(valid, b, Float32(0.0))
+    pair = gs[0] + gs[1]
+    inclusive = pair
+    for offset in (1, 2, 4, 8, 16):
+        y = cute.arch.shuffle_sync_up(inclusive, offset=offset)
+        inclusive = cutlass.select_(lane >= offset, inclusive + y, inclusive)
+    sG[2 * lane] = inclusive - gs[1]
+    sG[2 * lane + 1] = inclusive
+
+
+@cute.jit
+def _vec(t: cute.Tensor, row, col0, n: cutlass.Constexpr[int]) -> cute.Tensor:
+    """t[row, col0 : col0 + n] of a float32 shared-memory matrix into registers (16-byte loads:
+    col0 is a multiple of 4 and the rows of every matrix here start 16-byte aligned)."""
+    part = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    cute.autovec_copy(cute.local_tile(t[row, None], (n,), (col0 // n,)), part)
+    return part
+
+
+@cute.jit
+def _column_factors(sG: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor, col0, n: cutlass.Constexpr[int]) -> tuple:
+    """beta_s and beta_s exp(G_s) rk_s for the n columns s = col0 .. col0 + n - 1 (T' and T''
+    are T with its columns scaled by them)."""
+    b = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    gate = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    norm = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    for src, dst in ((sB, b), (sG, gate), (rk, norm)):
+        cute.autovec_copy(cute.local_tile(src, (n,), (col0 // n,)), dst)
+    return ([b[e] for e in range(n)],
+            [b[e] * cute.math.exp2(gate[e] * Float32(LOG2E), fastmath=True) * norm[e] for e in range(n)])
+
+
+@cute.jit
+def _store_scaled(sTv: cute.Tensor, sTk: cute.Tensor, row, col0, values: list, factors: tuple):
+    """T'[row, col0 + e] and T''[row, col0 + e] (bf16) from T's values there."""
+    n = len(values)
+    part_v = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
+    part_k = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
+    for e in cutlass.range_constexpr(n):
+        part_v[e] = BFloat16(values[e] * factors[0][e])
+        part_k[e] = BFloat16(values[e] * factors[1][e])
+    cute.autovec_copy(part_v, cute.local_tile(sTv[row, None], (n,), (col0 // n,)))
+    cute.autovec_copy(part_k, cute.local_tile(sTk[row, None], (n,), (col0 // n,)))
+
+
+@cute.jit
+def _invert(sA: cute.Tensor, sT: cute.Tensor, sR: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor, sG: cute.Tensor,
+            sB: cute.Tensor, rk: cute.Tensor, ctid: Int32):
+    """T = (I + A)^-1 for the strictly lower float32 A (64 x 64) by the 256 consumer threads, and
+    from it T' and T'' in bf16, each value scaled and stored where it is computed (the upper
+    blocks of T, T' and T'' are zero from the start and stay so).
+
+    The diagonal 16 x 16 blocks first: column c of T_II solves (I + A_II) x = e_c, a thread per
+    column, right-looking (a chain of 16 dependent steps, not 120). Then row block I = 1, 2, 3
+    from the blocks above it: R = -A_I,<I T_<I,<I, T_I,<I = T_II R, each thread four adjacent
+    columns of one row with 16-byte loads: shared-memory bandwidth, not arithmetic, bounds these
+    products (a thread per element with scalar loads cost 4.7 of 12.5 us per chunk on an H100)."""
+    if ctid < C:
+        c = ctid
+        base = (c // BLOCK) * BLOCK
+        rows = [_vec(sA, base + i, base + 4 * q, 4) for i in range(BLOCK) for q in range(BLOCK // 4)]
+        x = [cutlass.select_(base + i == c, Float32(1.0), Float32(0.0)) for i in range(BLOCK)]
+        for m in cutlass.range_constexpr(BLOCK):
+            for i in cutlass.range_constexpr(m + 1, BLOCK):
+                x[i] = x[i] - rows[i * (BLOCK // 4) + m // 4][m % 4] * x[m]
+        factors = _column_factors(sG, sB, rk, c, 1)
+        for i in cutlass.range_constexpr(BLOCK):
+            sT[base + i, c] = x[i]
+            _store_scaled(sTv, sTk, base + i, c, [x[i]], factors)
+    cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
+    for block in cutlass.range_constexpr(1, C // BLOCK):
+        n = block * BLOCK
+        groups = n // 4  # four-column groups of a row
+        if ctid < BLOCK * groups:
+            a = ctid // groups
+            c0 = (ctid % groups) * 4
+            # two partial sums: half the dependent chain
+            acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
+            for mb in cutlass.range_constexpr(groups):
+                a4 = _vec(sA, n + a, 4 * mb, 4)
+                for mm in cutlass.range_constexpr(4):
+                    t4 = _vec(sT, 4 * mb + mm, c0, 4)
+                    for q in cutlass.range_constexpr(4):
+                        acc[mb % 2][q] = acc[mb % 2][q] - a4[mm] * t4[q]
+            r4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            for q in cutlass.range_constexpr(4):
+                r4[q] = acc[0][q] + acc[1][q]
+            cute.autovec_copy(r4, cute.local_tile(sR[a, None], (4,), (c0 // 4,)))
+        cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
+        if ctid < BLOCK * groups:
+            a = ctid // groups
+            c0 = (ctid % groups) * 4
+            factors = _column_factors(sG, sB, rk, c0, 4)
+            acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
+            for mb in cutlass.range_constexpr(BLOCK // 4):
+                t4d = _vec(sT, n + a, n + 4 * mb, 4)
+                for mm in cutlass.range_constexpr(4):
+                    r4 = _vec(sR, 4 * mb + mm, c0, 4)
+                    for q in cutlass.range_constexpr(4):
+                        acc[mb % 2][q] = acc[mb % 2][q] + t4d[mm] * r4[q]
+            t4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            for q in cutlass.range_constexpr(4):
+                t4[q] = acc[0][q] + acc[1][q]
+            if const_expr(block < C // BLOCK - 1):  # the last row block is not read again
+                cute.autovec_copy(t4, cute.local_tile(sT[n + a, None], (4,), (c0 // 4,)))
+            _store_scaled(sTv, sTk, n + a, c0, [t4[q] for q in range(4)], factors)
+        if const_expr(block < C // BLOCK - 1):
+            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
+
+
+@cute.jit
+def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, w: Int32, tid: Int32,
+             out: cute.Tensor, pool: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, A_log: cute.Tensor,
+             dt_bias: cute.Tensor, has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor,
+             checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32, n: Int32, hv: Int32, bos: Int32,
+             length: Int32, num_chunks: Int32, slot: Int64, live, layouts: cutlass.Constexpr,
+             QK_L2NORM: cutlass.Constexpr[bool], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
+             BETA_LOGITS: cutlass.Constexpr[bool], HAS_POOL: cutlass.Constexpr[bool],
+             HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool]):
+    """A consumer warpgroup: state rows and output columns w * 64 .. w * 64 + 63 (module docstring)."""
+    state_layout, out_layout, square, wide = layouts
+    bar = 1 + w
+    ctid = w * 128 + tid
+    sS = storage.sS.get_tensor(state_layout.outer, swizzle=state_layout.inner)[None, None, w]
+    sO = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)[None, None, w]
+    sP = storage.sP.get_tensor(square.outer, swizzle=square.inner)
+    sTv = storage.sTv.get_tensor(square.outer, swizzle=square.inner)
+    sTk = storage.sTk.get_tensor(square.outer, swizzle=square.inner)
+    sW = storage.sW.get_tensor(wide.outer, swizzle=wide.inner)
+    sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
+    sT = cute.make_tensor(storage.sT.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
+    sR = cute.make_tensor(storage.sR.data_ptr(), cute.make_layout((BLOCK, C - BLOCK), stride=(C - BLOCK, 1)))
+    sG = cute.make_tensor(storage.gate.data_ptr(), cute.make_layout(C))
+    sB = cute.make_tensor(storage.beta.data_ptr(), cute.make_layout(C))
+    rq = cute.make_tensor(storage.rq.data_ptr(), cute.make_layout(C))
+    rk = cute.make_tensor(storage.rk.data_ptr(), cute.make_layout(C))
+
+    K_ = warpgroup.OperandMajorMode.K
+    MN = warpgroup.OperandMajorMode.MN
+    RMEM = warpgroup.OperandSource.RMEM
+    mma_ss = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (C, HALF))
+    mma_vt = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, MN, K_, Float32, (1, 1, 1), (HALF, C))
+    mma_w = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (C, HALF))
+    mma_up = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (HALF, C),
+                                               a_source=RMEM)
+    mma_st = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (HALF, HEAD_DIM),
+                                               a_source=RMEM)
+    thr_ss = mma_ss.get_slice(tid)
+    thr_vt = mma_vt.get_slice(tid)
+    thr_w = mma_w.get_slice(tid)
+    thr_up = mma_up.get_slice(tid)
+    thr_st = mma_st.get_slice(tid)
+
+    # operands (per stage for q / k / v)
+    tXrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK))                       # K [t, k]
+    tXrQ = mma_ss.make_fragment_A(thr_ss.partition_A(sQ))                       # Q [t, k]
+    tXrKb = mma_ss.make_fragment_B(thr_ss.partition_B(sK))                      # K [s, k]
+    tOrQ = mma_ss.make_fragment_B(thr_ss.partition_B(sQ))                       # Q [t, k]
+    tUrS = mma_ss.make_fragment_A(thr_ss.partition_A(sS))                       # S^T' [v, k]
+    tUrW = mma_ss.make_fragment_B(thr_ss.partition_B(sW))                       # -W [t, k]
+    tUrV = mma_vt.make_fragment_A(thr_vt.partition_A(transposed(sV)))         # V^T [v, s]
+    tUrT = mma_vt.make_fragment_B(thr_vt.partition_B(sTv))                      # T' [t, s]
+    tWrT = mma_w.make_fragment_A(thr_w.partition_A(sTk))                        # T'' [t, s]
+    tOrP = mma_up.make_fragment_B(thr_up.partition_B(sP))                       # P [t, s]
+    tSrK = mma_st.make_fragment_B(thr_st.partition_B(transposed(sK)))          # K as [k, s]
+    accX = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
+    accU = cute.make_rmem_tensor(thr_ss.partition_shape_C((HALF, C)), Float32)
+    accO = cute.make_rmem_tensor(thr_ss.partition_shape_C((HALF, C)), Float32)
+    accS = cute.make_rmem_tensor(thr_st.partition_shape_C((HALF, HEAD_DIM)), Float32)
+    tUrU = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
+    tSrU_hi = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
+    tSrU_lo = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
+    # the (row, column) coordinates of each thread's 64 x 64 accumulator elements
+    cX = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
+    tXsP = thr_ss.partition_C(sP)
+    p_staged = cute.make_rmem_tensor(accX.layout, BFloat16)
+    w_staged = cute.make_rmem_tensor(accX.layout, BFloat16)
+    tWsW = thr_w.partition_C(cute.local_tile(sW, (C, HALF), (0, w)))
+
+    A = Float32(1.0)
+    bias = Float32(0.0)
+    if const_expr(GATE != GATE_NONE):
+        A = cute.math.exp(Float32(A_log[hv]), fastmath=True)
+        if const_expr(HAS_DT_BIAS):
+            bias = Float32(dt_bias[hv])
+    accS.fill(0.0)
+    if const_expr(HAS_POOL):
+        read = live
+        if const_expr(HAS_INIT_FLAGS):
+            read = live & (has_initial_state[n] != 0)
+        if read:
+            tSgP = state_rows(thr_st, pool, slot, hv, w)
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                accS[i] = Float32(tSgP[i])
+    tSsS = thr_st.partition_C(sS)
+    staged = cute.make_rmem_tensor(accS.layout, BFloat16)
+
+    tOsO = thr_ss.partition_C(transposed(sO))  # O^T [v, t] over the [t, v] tile
+    out_staged = cute.make_rmem_tensor(accO.layout, BFloat16)
+
+    if live:
+        # the blocks of T, T' and T'' above the diagonal stay zero; the solve writes the others
+        for e in cutlass.range(ctid, C * C, 256, unroll=1):
+            sT[e // C, e % C] = Float32(0.0)
+            sTv[e // C, e % C] = BFloat16(0.0)
+            sTk[e // C, e % C] = BFloat16(0.0)
+        for i in cutlass.range_constexpr(cute.size(accS)):
+            staged[i] = BFloat16(accS[i])
+        cute.autovec_copy(staged, tSsS)
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        lane = ctid % 32
+        gate_warp = ctid < 32
+        # only the gate warp loads (the others' empty rows load nothing)
+        raw = _load_gates(g, beta, bos, cutlass.select_(gate_warp, length, 0), hv, lane)
+        for j in cutlass.range(num_chunks, unroll=1):
+            L = cutlass.min(length - j * C, C)
+            if gate_warp:
+                _chunk_gates(raw, sG, sB, L, A, bias, lane, GATE, BETA_LOGITS)
+            raw = _load_gates(g, beta, bos + (j + 1) * C, cutlass.select_(gate_warp, length - (j + 1) * C, 0), hv,
+                              lane)
+            loads.consumer_wait(state)
+            stage = state.index
+            v_half = 2 * stage + w
+            if w == 0:
+                row_inv_norms(sK[None, None, stage], rk, tid, QK_L2NORM)
+            else:
+                row_inv_norms(sQ[None, None, stage], rq, tid, QK_L2NORM)
+            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # gates, norms, S^T' visible
+
+            # consumer 0: A = K K^T (float32, for the solve); consumer 1: P = Q K^T (bf16 operand)
+            warpgroup.fence()
+            if w == 0:
+                gemm(mma_ss, accX, tXrK[None, None, None, stage], tXrKb[None, None, None, stage], False)
+            else:
+                gemm(mma_ss, accX, tXrQ[None, None, None, stage], tXrKb[None, None, None, stage], False)
+            warpgroup.wait_group(0)
+            if w == 0:
+                # factors first, stores after: a store between them would make every factor's
+                # shared loads be issued again (the compiler cannot tell sA from sG)
+                for i in cutlass.range_constexpr(cute.size(accX)):
+                    t, s = cX[i]
+                    f = cute.math.exp2((sG[t] - sG[s]) * Float32(LOG2E), fastmath=True) * (sB[t] * rk[t] * rk[s])
+                    accX[i] = cutlass.select_(s < t, accX[i] * f, Float32(0.0))
+                for i in cutlass.range_constexpr(cute.size(accX)):
+                    t, s = cX[i]
+                    sA[t, s] = accX[i]
+            else:
+                for i in cutlass.range_constexpr(cute.size(accX)):
+                    t, s = cX[i]
+                    exponent = cutlass.select_(s <= t, sG[t] - sG[s], Float32(0.0))
+                    f = cute.math.exp2(exponent * Float32(LOG2E), fastmath=True) * (scale * rq[t] * rk[s])
+                    p_staged[i] = BFloat16(cutlass.select_(s <= t, accX[i] * f, Float32(0.0)))
+                cute.autovec_copy(p_staged, tXsP)
+            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # A, P written
+
+            _invert(sA, sT, sR, sTv, sTk, sG, sB, rk, ctid)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # T', T'' (and P) visible to wgmma
+
+            # -W [t, k] for this consumer's 64 columns k of K
+            tWrK = mma_w.make_fragment_B(thr_w.partition_B(
+                cute.local_tile(transposed(sK)[None, None, stage], (HALF, C), (w, 0))))
+            warpgroup.fence()
+            gemm(mma_w, accX, tWrT, tWrK, False)
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(accX)):
+                w_staged[i] = BFloat16(-accX[i])
+            cute.autovec_copy(w_staged, tWsW)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # -W visible
+
+            # U^T = V^T T'^T - S^T W^T and O^T = S^T Q^T, from the entering state
+            warpgroup.fence()
+            gemm(mma_vt, accU, tUrV[None, None, None, v_half], tUrT, False)
+            gemm(mma_ss, accU, tUrS, tUrW, True)
+            gemm(mma_ss, accO, tUrS, tOrQ[None, None, None, stage], False)
+            G_last = sG[C - 1]
+            decay_L = cute.math.exp2(G_last * Float32(LOG2E), fastmath=True)
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(accU)):
+                s = cX[i][1]
+                tUrU[i] = BFloat16(accU[i])
+                ws = cute.math.exp2((G_last - sG[s]) * Float32(LOG2E), fastmath=True) * rk[s]
+                x = accU[i] * cutlass.select_(s < L, ws, Float32(0.0))
+                hi = BFloat16(x)
+                tSrU_hi[i] = hi
+                tSrU_lo[i] = BFloat16(x - Float32(hi))
+            for i in cutlass.range_constexpr(cute.size(accO)):
+                t = cX[i][1]
+                accO[i] = accO[i] * (scale * rq[t] * cute.math.exp2(sG[t] * Float32(LOG2E), fastmath=True))
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                accS[i] = accS[i] * decay_L
+            warpgroup.fence()
+            gemm(mma_up, accO, tUrU, tOrP, True)
+            gemm(mma_st, accS, tSrU_hi, tSrK[None, None, None, stage], True)
+            gemm(mma_st, accS, tSrU_lo, tSrK[None, None, None, stage], True)
+            warpgroup.wait_group(0)
+            loads.consumer_release(state)
+            state.advance()
+
+            # O: registers -> shared (bf16, transposed) -> 16-byte rows t < L of the output
+            for i in cutlass.range_constexpr(cute.size(accO)):
+                out_staged[i] = BFloat16(accO[i])
+            cute.autovec_copy(out_staged, tOsO)
+            cute.arch.barrier(barrier_id=bar, number_of_threads=128)  # sO written, S^T' read
+            store_rows(sO, out, hv, bos, j, w, L, tid, False)
+            # S^T' for the next chunk
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                staged[i] = BFloat16(accS[i])
+            cute.autovec_copy(staged, tSsS)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            if const_expr(HAS_CKPT):
+                write_checkpoint(accS, thr_st, pool, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv,
+                                 w, j, L)
+        if const_expr(HAS_POOL):
+            store_state(accS, thr_st, pool, slot, hv, w)
+    else:
+        zero_rows(sO, out, hv, bos, length, w, tid)  # padding: zero output rows, no state
+
+
+@cute.kernel
+def _gdn_kernel(
+    tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_tiles: cute.Tensor,
+    tma_v: cute.CopyAtom, v_tiles: cute.Tensor,
+    out: cute.Tensor, pool: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor,
+    cu_seqlens: cute.Tensor, state_indices: cute.Tensor, has_initial_state: cute.Tensor,
+    checkpoint_indices: cute.Tensor, checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32,
+    GROUP: cutlass.Constexpr[int], HV: cutlass.Constexpr[int], QK_L2NORM: cutlass.Constexpr[bool],
+    GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
+    HAS_SLOTS: cutlass.Constexpr[bool], HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool],
+    HAS_CKPT: cutlass.Constexpr[bool],
+):
+    """One (sequence, value head): blockIdx.x = sequence * HV + value head (module docstring)."""
+    tidx = cute.arch.thread_idx()[0]
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    wg = warp // 4
+    bid = cute.arch.block_idx()[0]
+    n = bid // HV
+    hv = bid % HV
+    h = hv // GROUP
+
+    bos = cu_seqlens[n]
+    length = cu_seqlens[n + 1] - bos
+    num_chunks = (length + C - 1) // C
+    slot = Int64(n)
+    if const_expr(HAS_SLOTS):
+        slot = Int64(state_indices[n])
+    live = slot >= 0
+
+    tile_layout = kmajor(C, HEAD_DIM, STAGES)
+    v_layout = kmajor(C, HALF, 2 * STAGES)  # stage s holds v's column halves at 2 s and 2 s + 1
+    state_layout = kmajor(HALF, HEAD_DIM, 2)  # one bf16 S^T' per consumer
+    out_layout = kmajor(C, HALF, 2)  # one output tile per consumer
+    square = kmajor(C, C)  # P, T', T''
+    wide = kmajor(C, HEAD_DIM)  # -W
+
+    @cute.struct
+    class Shared:
+        barriers: cute.struct.MemRange[Int64, STAGES * 2]
+        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
+        sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(v_layout)], 1024]
+        sS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(state_layout)], 1024]
+        sO: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(out_layout)], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(square)], 1024]
+        sTv: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(square)], 1024]
+        sTk: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(square)], 1024]
+        sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(wide)], 1024]
+        sA: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
+        sT: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
+        sR: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK * (C - BLOCK)], 16]
+        gate: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
+        beta: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
+        rq: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
+        rk: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
+
+    storage = cutlass.utils.SmemAllocator().allocate(Shared)
+    sQ = storage.sQ.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+    sK = storage.sK.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+    sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+
+    loads = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.barriers.data_ptr(), num_stages=STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # one arrive per consumer warp
+        tx_count=3 * C * HEAD_DIM * 2, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+    if wg == 0:
+        cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
+        if warp == 0:
+            if live:
+                produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv)
+    else:
+        cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
+        _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, pool, g, beta, A_log, dt_bias,
+                 has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv, bos,
+                 length, num_chunks, slot, live, (state_layout, out_layout, square, wide), QK_L2NORM, GATE,
+                 HAS_DT_BIAS, BETA_LOGITS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT)
+
+
+@cute.jit
+def _launch(
+    q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, o_ptr: cute.Pointer, pool_ptr: cute.Pointer,
+    g_ptr: cute.Pointer, beta_ptr: cute.Pointer, A_log_ptr: cute.Pointer, dt_bias_ptr: cute.Pointer,
+    cu_ptr: cute.Pointer, indices_ptr: cute.Pointer, init_ptr: cute.Pointer, ckpt_ptr: cute.Pointer,
+    T: Int32, N: Int32, P: Int32, num_checkpoints: Int32, checkpoint_every: Int32, checkpoint_stride: Int32,
+    scale: Float32, stream: cuda.CUstream,
+    STRIDES: cutlass.Constexpr[tuple], GATE_STRIDES: cutlass.Constexpr[tuple], H: cutlass.Constexpr[int],
+    HV: cutlass.Constexpr[int], QK_L2NORM: cutlass.Constexpr[bool], GATE: cutlass.Constexpr[int],
+    HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool], HAS_SLOTS: cutlass.Constexpr[bool],
+    HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
+):
+    """Views of the raw pointers, the TMA descriptors and the launch; strides are compile-time
+    (``cute_prefill.strides`` says why). GATE_STRIDES: the row and head strides of g and beta."""
+    D = HEAD_DIM
+    q_t, q_h, k_t, k_h, v_t, v_h, o_t, o_h, pool_s, pool_h = STRIDES
+    g_t, g_h, b_t, b_h = GATE_STRIDES
+    q = cute.make_tensor(q_ptr, cute.make_layout((T, D, H), stride=(q_t, 1, q_h)))
+    k = cute.make_tensor(k_ptr, cute.make_layout((T, D, H), stride=(k_t, 1, k_h)))
+    v = cute.make_tensor(v_ptr, cute.make_layout((T, D, HV), stride=(v_t, 1, v_h)))
+    o = cute.make_tensor(o_ptr, cute.make_layout((T, D, HV), stride=(o_t, 1, o_h)))
+    pool = cute.make_tensor(pool_ptr, cute.make_layout((P, HV, D, D), stride=(pool_s, pool_h, D, 1)))
+    g = cute.make_tensor(g_ptr, cute.make_layout((T, HV), stride=(g_t, g_h)))
+    beta = cute.make_tensor(beta_ptr, cute.make_layout((T, HV), stride=(b_t, b_h)))
+    A_log = cute.make_tensor(A_log_ptr, cute.make_layout(HV))
+    dt_bias = cute.make_tensor(dt_bias_ptr, cute.make_layout(HV))
+    cu_seqlens = cute.make_tensor(cu_ptr, cute.make_layout(N + 1))
+    state_indices = cute.make_tensor(indices_ptr, cute.make_layout(N))
+    has_initial_state = cute.make_tensor(init_ptr, cute.make_layout(N))
+    checkpoint_indices = cute.make_tensor(
+        ckpt_ptr, cute.make_layout((N, num_checkpoints), stride=(checkpoint_stride, 1)))
+    load = cpasync.CopyBulkTensorTileG2SOp()
+    tma_q, q_tiles = cpasync.make_tiled_tma_atom(load, q, kmajor(C, D), (C, D))
+    tma_k, k_tiles = cpasync.make_tiled_tma_atom(load, k, kmajor(C, D), (C, D))
+    tma_v, v_tiles = cpasync.make_tiled_tma_atom(load, v, kmajor(C, HALF), (C, HALF))
+    _gdn_kernel(
+        tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, g, beta, A_log, dt_bias, cu_seqlens,
+        state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale,
+        HV // H, HV, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS, HAS_SLOTS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
+    ).launch(grid=(N * HV, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# host side
+
+_POINTERS = ("q", "k", "v", "out", "pool", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "state_indices",
+             "has_initial_state", "checkpoint_indices")
+_ALIGNED = ("q", "k", "v", "out")  # TMA bases and 16-byte row stores
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(dtypes: tuple, constexprs: tuple):
+    """The compiled launcher for one configuration (``_POINTERS``' dtypes, ``_launch``'s constexprs)."""
+    fake = [pointer(dt, 1 << 20, name in _ALIGNED) for name, dt in zip(_POINTERS, dtypes)]
+    scalars = [64, 1, 1, 0, C, 0, 1.0]
+    return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **dict(constexprs))
+
+
+def unsupported(mode: str, q, k, v, out, pool) -> str | None:
+    """Why this kernel cannot run a call (None when it can): GDN only (KDA's per-channel gate has
+    no CuTe DSL prefill), and the rows ``cute_prefill.unsupported`` admits."""
+    if mode != "gdn":
+        return f"no CuTe DSL prefill for {mode} (the fused delta-rule kernel takes GDN's scalar gate)"
+    return unsupported_rows("GDN", q, k, v, out, pool)
+
+
+def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
+                checkpoint_every=None, checkpoint_indices=None):
+    """Chunked prefill of GDN over a packed varlen batch (``torch_backend.prefill`` semantics).
+
+    q, k: [T, H, 128] bf16; v, out: [T, HV, 128] bf16 (rows 16-byte aligned); g: [T, HV] float32 /
+    bf16, the log decay or with ``recipe.fused_gate`` the raw projection; beta: [T, HV] float32 /
+    bf16, in (0, 1) or logits with ``recipe.beta_logits``; state_pool [P, HV, 128, 128] float32 /
+    bf16, K-last, or None; cu_seqlens int32 [N + 1]; state_indices int32 [N] (negative: padding);
+    has_initial_state bool [N]; checkpoint_indices int32 [N, M] with checkpoint_every a multiple
+    of 64. Returns ``out``.
+    """
+    why = unsupported(recipe.mode, q, k, v, out, state_pool)
+    if why:
+        raise ValueError(why)
+    T, H, _ = q.shape
+    HV = v.shape[1]
+    N = cu_seqlens.shape[0] - 1
+    has_pool = state_pool is not None
+    ckpt = checkpoints(state_pool, checkpoint_every, checkpoint_indices)
+    gate = recipe.fused_gate
+    A_log = None if gate is None else gate.A_log.float().contiguous()
+    dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.float().contiguous()
+    tensors = (q, k, v, out, state_pool, g, beta, A_log, dt_bias, cu_seqlens, state_indices, has_initial_state,
+               ckpt)
+    check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (T, HV):
+            raise ValueError(f"{name}: expected [{T}, {HV}], got {tuple(x.shape)}")
+    constexprs = (("STRIDES", strides(q, k, v, out, state_pool)),
+                  ("GATE_STRIDES", (*g.stride(), *beta.stride())), ("H", H), ("HV", HV),
+                  ("QK_L2NORM", recipe.qk_l2norm), ("GATE", GATE_NONE if gate is None else GATE_SOFTPLUS),
+                  ("HAS_DT_BIAS", dt_bias is not None), ("BETA_LOGITS", recipe.beta_logits),
+                  ("HAS_SLOTS", state_indices is not None), ("HAS_POOL", has_pool),
+                  ("HAS_INIT_FLAGS", has_pool and has_initial_state is not None), ("HAS_CKPT", ckpt is not None))
+    # an absent tensor is never read (its flag is off): a null int32 pointer stands in
+    dtypes = tuple(torch.int32 if x is None else x.dtype for x in tensors)
+    compiled = _compiled(dtypes, constexprs)
+    pointers = [pointer(dt, 0 if x is None else x.data_ptr(), name in _ALIGNED)
+                for name, dt, x in zip(_POINTERS, dtypes, tensors)]
+    scalars = (T, N, state_pool.shape[0] if has_pool else 1, 0 if ckpt is None else ckpt.shape[1],
+               checkpoint_every or C, 0 if ckpt is None else ckpt.stride(0), recipe.scale)
+    launch(compiled, pointers, scalars, q.device)
+    return out
