@@ -89,10 +89,14 @@ def _load_gates(g: cute.Tensor, beta: cute.Tensor, row0: Int32, L: Int32, hv: In
 
 
 @cute.jit
-def _chunk_gates(raw: list, sG: cute.Tensor, sB: cute.Tensor, L: Int32, A: Float32, bias: Float32, lane: Int32,
-                 GATE: cutlass.Constexpr[int], BETA_LOGITS: cutlass.Constexpr[bool]):
-    """One warp: sG[t] = G_t (the cumulative log gate within the chunk) and sB[t] = beta_t for the
-    64 rows (two a lane, from ``_load_gates``); rows t >= L get g = 0 and beta = 0."""
+def _chunk_gates(raw: list, sG: cute.Tensor, sB: cute.Tensor, sDecay: cute.Tensor, sTail: cute.Tensor, L: Int32,
+                 A: Float32, bias: Float32, lane: Int32, GATE: cutlass.Constexpr[int],
+                 BETA_LOGITS: cutlass.Constexpr[bool]):
+    """One warp, for the 64 rows of a chunk (two a lane, from ``_load_gates``): sG[t] = G_t (the
+    cumulative log gate within the chunk), sB[t] = beta_t, sDecay[t] = exp(G_t) and sTail[t] =
+    exp(G_last - G_t) [t < L]; rows t >= L get g = 0 and beta = 0. The exponentials are taken
+    here once per row rather than per element where they are used (each consumer thread needs
+    16 distinct ones 32 times: the SFU's throughput, not the arithmetic, bounded those phases)."""
     gs = []
     for e in cutlass.range_constexpr(2):
         valid = 2 * lane + e < L
@@ -107,8 +111,14 @@ def _chunk_gates(raw: list, sG: cute.Tensor, sB: cute.Tensor, L: Int32, A: Float
     for offset in (1, 2, 4, 8, 16):
         y = cute.arch.shuffle_sync_up(inclusive, offset=offset)
         inclusive = cutlass.select_(lane >= offset, inclusive + y, inclusive)
-    sG[2 * lane] = inclusive - gs[1]
-    sG[2 * lane + 1] = inclusive
+    last = cute.arch.shuffle_sync(inclusive, 31)  # G_63 = G_last: rows past L add zeros
+    G = [inclusive - gs[1], inclusive]
+    for e in cutlass.range_constexpr(2):
+        t = 2 * lane + e
+        sG[t] = G[e]
+        sDecay[t] = cute.math.exp2(G[e] * Float32(LOG2E), fastmath=True)
+        sTail[t] = cutlass.select_(t < L, cute.math.exp2((last - G[e]) * Float32(LOG2E), fastmath=True),
+                                   Float32(0.0))
 
 
 @cute.jit
@@ -121,16 +131,15 @@ def _vec(t: cute.Tensor, row, col0, n: cutlass.Constexpr[int]) -> cute.Tensor:
 
 
 @cute.jit
-def _column_factors(sG: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor, col0, n: cutlass.Constexpr[int]) -> tuple:
+def _column_factors(sDecay: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor, col0, n: cutlass.Constexpr[int]) -> tuple:
     """beta_s and beta_s exp(G_s) rk_s for the n columns s = col0 .. col0 + n - 1 (T' and T''
     are T with its columns scaled by them)."""
     b = cute.make_rmem_tensor(cute.make_layout(n), Float32)
     gate = cute.make_rmem_tensor(cute.make_layout(n), Float32)
     norm = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-    for src, dst in ((sB, b), (sG, gate), (rk, norm)):
+    for src, dst in ((sB, b), (sDecay, gate), (rk, norm)):
         cute.autovec_copy(cute.local_tile(src, (n,), (col0 // n,)), dst)
-    return ([b[e] for e in range(n)],
-            [b[e] * cute.math.exp2(gate[e] * Float32(LOG2E), fastmath=True) * norm[e] for e in range(n)])
+    return [b[e] for e in range(n)], [b[e] * gate[e] * norm[e] for e in range(n)]
 
 
 @cute.jit
@@ -147,68 +156,101 @@ def _store_scaled(sTv: cute.Tensor, sTk: cute.Tensor, row, col0, values: list, f
 
 
 @cute.jit
-def _invert(sA: cute.Tensor, sT: cute.Tensor, sR: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor, sG: cute.Tensor,
-            sB: cute.Tensor, rk: cute.Tensor, ctid: Int32):
+def _invert(sA: cute.Tensor, sT: cute.Tensor, sR: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor,
+            sDecay: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor, ctid: Int32):
     """T = (I + A)^-1 for the strictly lower float32 A (64 x 64) by the 256 consumer threads, and
     from it T' and T'' in bf16, each value scaled and stored where it is computed (the upper
     blocks of T, T' and T'' are zero from the start and stay so).
 
     The diagonal 16 x 16 blocks first: column c of T_II solves (I + A_II) x = e_c, a thread per
-    column, right-looking (a chain of 16 dependent steps, not 120). Then row block I = 1, 2, 3
-    from the blocks above it: R = -A_I,<I T_<I,<I, T_I,<I = T_II R, each thread four adjacent
-    columns of one row with 16-byte loads: shared-memory bandwidth, not arithmetic, bounds these
-    products (a thread per element with scalar loads cost 4.7 of 12.5 us per chunk on an H100)."""
+    column, right-looking (a chain of 16 dependent steps, not 120). Then the 32 x 32 diagonal
+    blocks by doubling, their lower 16-row halves side by side, and last the lower 32 rows from
+    the upper 32: rows R from columns C, T_RC = T_RR R with R = -A_RC T_CC. Each thread computes
+    four adjacent columns of one row with 16-byte loads: shared-memory traffic, not arithmetic,
+    bounds these products (a thread per element with scalar loads cost 4.7 of 12.5 us per chunk
+    on an H100; three 16-row levels instead of two doublings, 6 barriers instead of 4)."""
     if ctid < C:
         c = ctid
         base = (c // BLOCK) * BLOCK
-        rows = [_vec(sA, base + i, base + 4 * q, 4) for i in range(BLOCK) for q in range(BLOCK // 4)]
-        x = [cutlass.select_(base + i == c, Float32(1.0), Float32(0.0)) for i in range(BLOCK)]
+        # views at the block's corner and the column's top: one base address, constant offsets
+        block_A = cute.make_tensor(sA.iterator + base * (ROW_STRIDE + 1),
+                                   cute.make_layout((BLOCK, BLOCK), stride=(ROW_STRIDE, 1)))
+        column_T = cute.make_tensor(sT.iterator + base * ROW_STRIDE + c, cute.make_layout(BLOCK, stride=ROW_STRIDE))
+        # x = e_d - A e_d - ..., d = c - base: the unit x_d enters through its column of A (zero on
+        # and above the diagonal), and x_d itself is written last. Selecting e_d's entries by
+        # row instead gave 16 loop-invariant registers, which were spilled and reloaded per chunk.
+        d = c - base
+        x = [-block_A[i, d] for i in range(BLOCK)]
         for m in cutlass.range_constexpr(BLOCK):
             for i in cutlass.range_constexpr(m + 1, BLOCK):
-                x[i] = x[i] - rows[i * (BLOCK // 4) + m // 4][m % 4] * x[m]
-        factors = _column_factors(sG, sB, rk, c, 1)
+                x[i] = x[i] - block_A[i, m] * x[m]
+        factors = _column_factors(sDecay, sB, rk, c, 1)
         for i in cutlass.range_constexpr(BLOCK):
-            sT[base + i, c] = x[i]
+            column_T[i] = x[i]
             _store_scaled(sTv, sTk, base + i, c, [x[i]], factors)
+        column_T[d] = Float32(1.0)
+        _store_scaled(sTv, sTk, c, c, [Float32(1.0)], factors)
     cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    for block in cutlass.range_constexpr(1, C // BLOCK):
-        n = block * BLOCK
-        groups = n // 4  # four-column groups of a row
-        if ctid < BLOCK * groups:
-            a = ctid // groups
-            c0 = (ctid % groups) * 4
-            # two partial sums: half the dependent chain
-            acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
-            for mb in cutlass.range_constexpr(groups):
-                a4 = _vec(sA, n + a, 4 * mb, 4)
-                for mm in cutlass.range_constexpr(4):
-                    t4 = _vec(sT, 4 * mb + mm, c0, 4)
-                    for q in cutlass.range_constexpr(4):
-                        acc[mb % 2][q] = acc[mb % 2][q] - a4[mm] * t4[q]
-            r4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    # the 32 x 32 diagonal blocks: rows 16..31 from rows 0..15 and rows 48..63 from rows 32..47,
+    # side by side (128 threads)
+    if ctid < 2 * BLOCK * 4:
+        half = ctid // (BLOCK * 4)  # 0: rows 16..31, 1: rows 48..63
+        a = (ctid % (BLOCK * 4)) // 4
+        c0 = (ctid % 4) * 4
+        _residual(sA, sT, sR, BLOCK + 2 * BLOCK * half + a, 2 * BLOCK * half, c0, a, BLOCK * half + c0, BLOCK)
+    cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
+    if ctid < 2 * BLOCK * 4:
+        half = ctid // (BLOCK * 4)
+        a = (ctid % (BLOCK * 4)) // 4
+        c0 = (ctid % 4) * 4
+        _apply_diagonal(sT, sR, sTv, sTk, sDecay, sB, rk, BLOCK + 2 * BLOCK * half, a, 2 * BLOCK * half + c0,
+                        BLOCK * half + c0, BLOCK, True)
+    cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
+    # rows 32..63 from rows 0..31 (256 threads, four columns each)
+    a = ctid // 8
+    c0 = (ctid % 8) * 4
+    _residual(sA, sT, sR, 2 * BLOCK + a, 0, c0, a, c0, 2 * BLOCK)
+    cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
+    _apply_diagonal(sT, sR, sTv, sTk, sDecay, sB, rk, 2 * BLOCK, a, c0, c0, 2 * BLOCK, False)
+
+
+@cute.jit
+def _residual(sA: cute.Tensor, sT: cute.Tensor, sR: cute.Tensor, row: Int32, k0, c0, r_row, r_col,
+              K: cutlass.Constexpr[int]):
+    """sR[r_row, r_col .. + 3] = -A[row, k0 .. k0 + K) T[k0 .. k0 + K, k0 + c0 .. + 3] (T's rows
+    from k0 already final), in two partial sums (half the dependent chain)."""
+    acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
+    for mb in cutlass.range_constexpr(K // 4):
+        a4 = _vec(sA, row, k0 + 4 * mb, 4)
+        for mm in cutlass.range_constexpr(4):
+            t4 = _vec(sT, k0 + 4 * mb + mm, k0 + c0, 4)
             for q in cutlass.range_constexpr(4):
-                r4[q] = acc[0][q] + acc[1][q]
-            cute.autovec_copy(r4, cute.local_tile(sR[a, None], (4,), (c0 // 4,)))
-        cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-        if ctid < BLOCK * groups:
-            a = ctid // groups
-            c0 = (ctid % groups) * 4
-            factors = _column_factors(sG, sB, rk, c0, 4)
-            acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
-            for mb in cutlass.range_constexpr(BLOCK // 4):
-                t4d = _vec(sT, n + a, n + 4 * mb, 4)
-                for mm in cutlass.range_constexpr(4):
-                    r4 = _vec(sR, 4 * mb + mm, c0, 4)
-                    for q in cutlass.range_constexpr(4):
-                        acc[mb % 2][q] = acc[mb % 2][q] + t4d[mm] * r4[q]
-            t4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                acc[mb % 2][q] = acc[mb % 2][q] - a4[mm] * t4[q]
+    r4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    for q in cutlass.range_constexpr(4):
+        r4[q] = acc[0][q] + acc[1][q]
+    cute.autovec_copy(r4, cute.local_tile(sR[r_row, None], (4,), (r_col // 4,)))
+
+
+@cute.jit
+def _apply_diagonal(sT: cute.Tensor, sR: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor,
+                    sB: cute.Tensor, rk: cute.Tensor, row0, a, col, r_col, K: cutlass.Constexpr[int],
+                    KEEP: cutlass.Constexpr[bool]):
+    """T[row0 + a, col .. + 3] = T[row0 + a, row0 .. row0 + K) R[0 .. K, r_col .. + 3], T's diagonal
+    block at row0 being final; stored to T (when read again, KEEP) and scaled to T' and T''."""
+    acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
+    for mb in cutlass.range_constexpr(K // 4):
+        t4d = _vec(sT, row0 + a, row0 + 4 * mb, 4)
+        for mm in cutlass.range_constexpr(4):
+            r4 = _vec(sR, 4 * mb + mm, r_col, 4)
             for q in cutlass.range_constexpr(4):
-                t4[q] = acc[0][q] + acc[1][q]
-            if const_expr(block < C // BLOCK - 1):  # the last row block is not read again
-                cute.autovec_copy(t4, cute.local_tile(sT[n + a, None], (4,), (c0 // 4,)))
-            _store_scaled(sTv, sTk, n + a, c0, [t4[q] for q in range(4)], factors)
-        if const_expr(block < C // BLOCK - 1):
-            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
+                acc[mb % 2][q] = acc[mb % 2][q] + t4d[mm] * r4[q]
+    t4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    for q in cutlass.range_constexpr(4):
+        t4[q] = acc[0][q] + acc[1][q]
+    if const_expr(KEEP):
+        cute.autovec_copy(t4, cute.local_tile(sT[row0 + a, None], (4,), (col // 4,)))
+    _store_scaled(sTv, sTk, row0 + a, col, [t4[q] for q in range(4)], _column_factors(sDecay, sB, rk, col, 4))
 
 
 @cute.jit
@@ -232,8 +274,10 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
     sW = storage.sW.get_tensor(wide.outer, swizzle=wide.inner)
     sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
     sT = cute.make_tensor(storage.sT.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
-    sR = cute.make_tensor(storage.sR.data_ptr(), cute.make_layout((BLOCK, C - BLOCK), stride=(C - BLOCK, 1)))
+    sR = cute.make_tensor(storage.sR.data_ptr(), cute.make_layout((C // 2, C // 2), stride=(C // 2, 1)))
     sG = cute.make_tensor(storage.gate.data_ptr(), cute.make_layout(C))
+    sDecay = cute.make_tensor(storage.decay.data_ptr(), cute.make_layout(C))
+    sTail = cute.make_tensor(storage.tail.data_ptr(), cute.make_layout(C))
     sB = cute.make_tensor(storage.beta.data_ptr(), cute.make_layout(C))
     rq = cute.make_tensor(storage.rq.data_ptr(), cute.make_layout(C))
     rk = cute.make_tensor(storage.rk.data_ptr(), cute.make_layout(C))
@@ -320,7 +364,7 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
         for j in cutlass.range(num_chunks, unroll=1):
             L = cutlass.min(length - j * C, C)
             if gate_warp:
-                _chunk_gates(raw, sG, sB, L, A, bias, lane, GATE, BETA_LOGITS)
+                _chunk_gates(raw, sG, sB, sDecay, sTail, L, A, bias, lane, GATE, BETA_LOGITS)
             raw = _load_gates(g, beta, bos + (j + 1) * C, cutlass.select_(gate_warp, length - (j + 1) * C, 0), hv,
                               lane)
             loads.consumer_wait(state)
@@ -358,7 +402,7 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
                 cute.autovec_copy(p_staged, tXsP)
             cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # A, P written
 
-            _invert(sA, sT, sR, sTv, sTk, sG, sB, rk, ctid)
+            _invert(sA, sT, sR, sTv, sTk, sDecay, sB, rk, ctid)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # T', T'' (and P) visible to wgmma
 
@@ -379,20 +423,18 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             gemm(mma_vt, accU, tUrV[None, None, None, v_half], tUrT, False)
             gemm(mma_ss, accU, tUrS, tUrW, True)
             gemm(mma_ss, accO, tUrS, tOrQ[None, None, None, stage], False)
-            G_last = sG[C - 1]
-            decay_L = cute.math.exp2(G_last * Float32(LOG2E), fastmath=True)
+            decay_L = sDecay[C - 1]
             warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(accU)):
                 s = cX[i][1]
                 tUrU[i] = BFloat16(accU[i])
-                ws = cute.math.exp2((G_last - sG[s]) * Float32(LOG2E), fastmath=True) * rk[s]
-                x = accU[i] * cutlass.select_(s < L, ws, Float32(0.0))
+                x = accU[i] * (sTail[s] * rk[s])
                 hi = BFloat16(x)
                 tSrU_hi[i] = hi
                 tSrU_lo[i] = BFloat16(x - Float32(hi))
             for i in cutlass.range_constexpr(cute.size(accO)):
                 t = cX[i][1]
-                accO[i] = accO[i] * (scale * rq[t] * cute.math.exp2(sG[t] * Float32(LOG2E), fastmath=True))
+                accO[i] = accO[i] * (scale * rq[t] * sDecay[t])
             for i in cutlass.range_constexpr(cute.size(accS)):
                 accS[i] = accS[i] * decay_L
             warpgroup.fence()
@@ -473,8 +515,10 @@ def _gdn_kernel(
         sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(wide)], 1024]
         sA: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
         sT: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
-        sR: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK * (C - BLOCK)], 16]
+        sR: cute.struct.Align[cute.struct.MemRange[Float32, C * C // 4], 16]
         gate: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
+        decay: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
+        tail: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
         beta: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
         rq: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
         rk: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
