@@ -10,6 +10,7 @@ compile-time strides, the index checks and the launch.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -17,8 +18,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_stream
 import cuda.bindings.driver as cuda
 
+from ..delta_rule.recurrent_cute import pointer
 from .chunking import CHUNK_SIZE
 from .prep import L2NORM_EPS
 
@@ -169,6 +172,106 @@ def store_state(accS: cute.Tensor, thr_st, pool: cute.Tensor, slot: Int64, hv: I
         dst[i] = accS[i].to(pool.element_type)
 
 
+@cute.jit
+def block_sequence(cu_seqlens: cute.Tensor, state_indices: cute.Tensor, HV: cutlass.Constexpr[int],
+                   GROUP: cutlass.Constexpr[int], HAS_SLOTS: cutlass.Constexpr[bool]):
+    """This CTA's (sequence, value head), blockIdx.x = sequence * HV + value head: (n, hv, its qk
+    head h, the first token bos, length, num_chunks, slot: Int64, negative for padding)."""
+    bid = cute.arch.block_idx()[0]
+    n = bid // HV
+    hv = bid % HV
+    bos = cu_seqlens[n]
+    length = cu_seqlens[n + 1] - bos
+    slot = Int64(n)
+    if const_expr(HAS_SLOTS):
+        slot = Int64(state_indices[n])
+    return n, hv, hv // GROUP, bos, length, (length + C - 1) // C, slot
+
+
+def make_loads(barriers):
+    """The producer -> consumers pipeline of q, k and v tiles: STAGES buffers, one TMA
+    transaction of 3 C x 128 bf16 tiles each, one arrive per consumer warp."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers, num_stages=STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+        tx_count=3 * C * HEAD_DIM * 2, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+
+@cute.jit
+def load_state(accS: cute.Tensor, thr_st, pool: cute.Tensor, has_initial_state: cute.Tensor, n: Int32, slot: Int64,
+               hv: Int32, w: Int32, live, HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool]):
+    """The state accumulator from pool[slot, hv] (K-last: S^T [v, k] row for row), or zeros for a
+    padding row, a sequence without an initial state, or no pool."""
+    accS.fill(0.0)
+    if const_expr(HAS_POOL):
+        read = live
+        if const_expr(HAS_INIT_FLAGS):
+            read = live & (has_initial_state[n] != 0)
+        if read:
+            src = state_rows(thr_st, pool, slot, hv, w)
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                accS[i] = Float32(src[i])
+
+
+@cute.jit
+def stage_state(accS: cute.Tensor, tSsS: cute.Tensor):
+    """The state in bf16 into shared memory, the next chunk's S^T' operand (then visible to wgmma)."""
+    staged = cute.make_rmem_tensor(accS.layout, BFloat16)
+    for i in cutlass.range_constexpr(cute.size(accS)):
+        staged[i] = BFloat16(accS[i])
+    cute.autovec_copy(staged, tSsS)
+    cute.arch.fence_proxy("async.shared", space="cta")
+
+
+@cute.jit
+def finish_chunk(accO: cute.Tensor, tOsO: cute.Tensor, accS: cute.Tensor, tSsS: cute.Tensor, sO: cute.Tensor,
+                 out: cute.Tensor, thr_st, pool: cute.Tensor, checkpoint_indices: cute.Tensor,
+                 checkpoint_every: Int32, num_checkpoints: Int32, n: Int32, hv: Int32, bos: Int32, j: Int32,
+                 w: Int32, L: Int32, tid: Int32, HAS_CKPT: cutlass.Constexpr[bool]):
+    """After chunk j's products (waited on): its outputs in bf16 through ``sO`` (tOsO: this
+    thread's part of it in the accumulator's layout) to rows t < L, the state restaged, and a
+    checkpoint where one falls."""
+    out_staged = cute.make_rmem_tensor(accO.layout, BFloat16)
+    for i in cutlass.range_constexpr(cute.size(accO)):
+        out_staged[i] = BFloat16(accO[i])
+    cute.autovec_copy(out_staged, tOsO)
+    cute.arch.barrier(barrier_id=1 + w, number_of_threads=128)  # sO written, S^T' read
+    store_rows(sO, out, hv, bos, j, w, L, tid, False)
+    stage_state(accS, tSsS)
+    if const_expr(HAS_CKPT):
+        write_checkpoint(accS, thr_st, pool, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv, w, j, L)
+
+
+@cute.jit
+def tensor_views(q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, o_ptr: cute.Pointer,
+                 pool_ptr: cute.Pointer, cu_ptr: cute.Pointer, indices_ptr: cute.Pointer, init_ptr: cute.Pointer,
+                 ckpt_ptr: cute.Pointer, T: Int32, N: Int32, P: Int32, num_checkpoints: Int32,
+                 checkpoint_stride: Int32, STRIDES: cutlass.Constexpr[tuple], H: cutlass.Constexpr[int],
+                 HV: cutlass.Constexpr[int]):
+    """The kernels' views of the raw pointers and the TMA atoms of q, k and v: (tma_q, q_tiles,
+    tma_k, k_tiles, tma_v, v_tiles, out, pool, cu_seqlens, state_indices, has_initial_state,
+    checkpoint_indices). [T, D, heads] views, the row dim first: TMA tiles are [C, D] boxes of one
+    head (v's [C, 64], one per consumer)."""
+    D = HEAD_DIM
+    q_t, q_h, k_t, k_h, v_t, v_h, o_t, o_h, pool_s, pool_h = STRIDES
+    q = cute.make_tensor(q_ptr, cute.make_layout((T, D, H), stride=(q_t, 1, q_h)))
+    k = cute.make_tensor(k_ptr, cute.make_layout((T, D, H), stride=(k_t, 1, k_h)))
+    v = cute.make_tensor(v_ptr, cute.make_layout((T, D, HV), stride=(v_t, 1, v_h)))
+    o = cute.make_tensor(o_ptr, cute.make_layout((T, D, HV), stride=(o_t, 1, o_h)))
+    pool = cute.make_tensor(pool_ptr, cute.make_layout((P, HV, D, D), stride=(pool_s, pool_h, D, 1)))
+    cu_seqlens = cute.make_tensor(cu_ptr, cute.make_layout(N + 1))
+    state_indices = cute.make_tensor(indices_ptr, cute.make_layout(N))
+    has_initial_state = cute.make_tensor(init_ptr, cute.make_layout(N))
+    checkpoint_indices = cute.make_tensor(
+        ckpt_ptr, cute.make_layout((N, num_checkpoints), stride=(checkpoint_stride, 1)))
+    load = cpasync.CopyBulkTensorTileG2SOp()
+    tma_q, q_tiles = cpasync.make_tiled_tma_atom(load, q, kmajor(C, D), (C, D))
+    tma_k, k_tiles = cpasync.make_tiled_tma_atom(load, k, kmajor(C, D), (C, D))
+    tma_v, v_tiles = cpasync.make_tiled_tma_atom(load, v, kmajor(C, HALF), (C, HALF))
+    return (tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, cu_seqlens, state_indices, has_initial_state,
+            checkpoint_indices)
+
+
 # ------------------------------------------------------------------------------------------------
 # host side
 
@@ -220,10 +323,26 @@ def check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt):
             raise ValueError(f"{name}: expected {dtype}, got {x.dtype}")
 
 
-def launch(compiled, pointers, scalars, device: torch.device):
-    """Run a compiled launcher on the current stream. Host work per call is kept small (it is not
-    hidden behind the kernel when the GPU waits on it): devices are switched only when the tensors
-    sit on another one."""
+ALIGNED = ("q", "k", "v", "out")  # TMA bases and 16-byte row stores
+SCALARS = (64, 1, 1, 0, C, 0, 1.0)  # T, N, P, num_checkpoints, checkpoint_every, checkpoint_stride, scale
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(launcher, names: tuple, dtypes: tuple, constexprs: tuple):
+    fake = [pointer(dt, 1 << 20, name in ALIGNED) for name, dt in zip(names, dtypes)]
+    return cute.compile(launcher, *fake, *SCALARS, make_fake_stream(), **dict(constexprs))
+
+
+def launch(launcher, names: tuple, tensors: tuple, scalars: tuple, constexprs: tuple, device: torch.device):
+    """Run ``launcher`` (a ``cute.jit`` function of pointers named ``names``, the 7 ``SCALARS``, a
+    stream and ``constexprs``) on ``tensors`` (None: never read, a null int32 pointer), compiled
+    once per configuration. Host work per call is kept small (it is not hidden behind the kernel
+    when the GPU waits on it): strides and flags are compile-time, devices are switched only when
+    the tensors sit on another one."""
+    dtypes = tuple(torch.int32 if x is None else x.dtype for x in tensors)
+    compiled = _compiled(launcher, names, dtypes, constexprs)
+    pointers = [pointer(dt, 0 if x is None else x.data_ptr(), name in ALIGNED)
+                for name, dt, x in zip(names, dtypes, tensors)]
     here = device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if here else torch.cuda.device(device):
         compiled(*pointers, *scalars, cuda.CUstream(torch.cuda.current_stream().cuda_stream))

@@ -39,24 +39,20 @@ one: H100, 64 heads, device time per token-head, 4 x 8192 0.381 against Triton's
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_stream
+from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
-from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, check_index_dtypes,
-                                   checkpoints, gemm, kmajor, launch, produce, row_inv_norms, state_rows, store_rows,
-                                   store_state, strides, transposed, unsupported as unsupported_rows,
-                                   write_checkpoint, zero_rows)
+from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_sequence,
+                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, launch, load_state,
+                                   make_loads, produce, row_inv_norms, stage_state, store_state, strides,
+                                   tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
 from ..common.prep import Recipe
-from ..delta_rule.recurrent_cute import pointer
 
 CONSUMER_REGS = 240
 
@@ -105,28 +101,12 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
     cU = thr_st.partition_A(cute.make_identity_tensor((HALF, C)))
 
     d = Float32(decay[hv]) * Float32(LOG2E)  # exp(x d) = exp2(x d log2 e)
-    # S^T [v, k] = pool[slot, hv, v, k]: the K-last pool row for row
-    accS.fill(0.0)
-    if const_expr(HAS_POOL):
-        read = live
-        if const_expr(HAS_INIT_FLAGS):
-            read = live & (has_initial_state[n] != 0)
-        if read:
-            tSgP = state_rows(thr_st, pool, slot, hv, w)
-            for i in cutlass.range_constexpr(cute.size(accS)):
-                accS[i] = Float32(tSgP[i])
-    # stage S^T' for the first chunk's Q S^T'
+    load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live, HAS_POOL, HAS_INIT_FLAGS)
     tSsS = thr_st.partition_C(sS)
-    staged = cute.make_rmem_tensor(accS.layout, BFloat16)
-
     tOsO = thr_ss.partition_C(sO)
-    out_staged = cute.make_rmem_tensor(accO.layout, BFloat16)
 
     if live:
-        for i in cutlass.range_constexpr(cute.size(accS)):
-            staged[i] = BFloat16(accS[i])
-        cute.autovec_copy(staged, tSsS)
-        cute.arch.fence_proxy("async.shared", space="cta")
+        stage_state(accS, tSsS)  # S^T' for the first chunk's Q S^T'
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for j in cutlass.range(num_chunks, unroll=1):
@@ -171,20 +151,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             loads.consumer_release(state)
             state.advance()
 
-            # O: registers -> shared (bf16) -> 16-byte rows t < L of the output
-            for i in cutlass.range_constexpr(cute.size(accO)):
-                out_staged[i] = BFloat16(accO[i])
-            cute.autovec_copy(out_staged, tOsO)
-            cute.arch.barrier(barrier_id=bar, number_of_threads=128)  # sO written, S^T' read
-            store_rows(sO, out, hv, bos, j, w, L, tid, False)
-            # S^T' for the next chunk
-            for i in cutlass.range_constexpr(cute.size(accS)):
-                staged[i] = BFloat16(accS[i])
-            cute.autovec_copy(staged, tSsS)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            if const_expr(HAS_CKPT):
-                write_checkpoint(accS, thr_st, pool, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv,
-                                 w, j, L)
+            finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices, checkpoint_every,
+                         num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT)
         if const_expr(HAS_POOL):
             store_state(accS, thr_st, pool, slot, hv, w)
     else:
@@ -206,17 +174,7 @@ def _lightning_kernel(
     tidx = cute.arch.thread_idx()[0]
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     wg = warp // 4
-    bid = cute.arch.block_idx()[0]
-    n = bid // HV
-    hv = bid % HV
-    h = hv // GROUP
-
-    bos = cu_seqlens[n]
-    length = cu_seqlens[n + 1] - bos
-    num_chunks = (length + C - 1) // C
-    slot = Int64(n)
-    if const_expr(HAS_SLOTS):
-        slot = Int64(state_indices[n])
+    n, hv, h, bos, length, num_chunks, slot = block_sequence(cu_seqlens, state_indices, HV, GROUP, HAS_SLOTS)
     live = slot >= 0
 
     tile_layout = kmajor(C, HEAD_DIM, STAGES)
@@ -240,11 +198,7 @@ def _lightning_kernel(
     sK = storage.sK.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
     sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
 
-    loads = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.barriers.data_ptr(), num_stages=STAGES,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # one arrive per consumer warp
-        tx_count=3 * C * HEAD_DIM * 2, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+    loads = make_loads(storage.barriers.data_ptr())
 
     if wg == 0:
         cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
@@ -271,24 +225,10 @@ def _launch(
 ):
     """Views of the raw pointers, the TMA descriptors and the launch. STRIDES are compile-time
     (``cute_prefill.strides`` says why), which leaves the launch 7 scalars to pass instead of 17."""
-    D = HEAD_DIM
-    q_t, q_h, k_t, k_h, v_t, v_h, o_t, o_h, pool_s, pool_h = STRIDES
-    # [T, D, heads] views, the row dim first: TMA tiles are [C, D] boxes of one head
-    q = cute.make_tensor(q_ptr, cute.make_layout((T, D, H), stride=(q_t, 1, q_h)))
-    k = cute.make_tensor(k_ptr, cute.make_layout((T, D, H), stride=(k_t, 1, k_h)))
-    v = cute.make_tensor(v_ptr, cute.make_layout((T, D, HV), stride=(v_t, 1, v_h)))
-    o = cute.make_tensor(o_ptr, cute.make_layout((T, D, HV), stride=(o_t, 1, o_h)))
-    pool = cute.make_tensor(pool_ptr, cute.make_layout((P, HV, D, D), stride=(pool_s, pool_h, D, 1)))
+    (tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, cu_seqlens, state_indices, has_initial_state,
+     checkpoint_indices) = tensor_views(q_ptr, k_ptr, v_ptr, o_ptr, pool_ptr, cu_ptr, indices_ptr, init_ptr, ckpt_ptr,
+                                        T, N, P, num_checkpoints, checkpoint_stride, STRIDES, H, HV)
     decay = cute.make_tensor(decay_ptr, cute.make_layout(HV))
-    cu_seqlens = cute.make_tensor(cu_ptr, cute.make_layout(N + 1))
-    state_indices = cute.make_tensor(indices_ptr, cute.make_layout(N))
-    has_initial_state = cute.make_tensor(init_ptr, cute.make_layout(N))
-    checkpoint_indices = cute.make_tensor(
-        ckpt_ptr, cute.make_layout((N, num_checkpoints), stride=(checkpoint_stride, 1)))
-    load = cpasync.CopyBulkTensorTileG2SOp()
-    tma_q, q_tiles = cpasync.make_tiled_tma_atom(load, q, kmajor(C, D), (C, D))
-    tma_k, k_tiles = cpasync.make_tiled_tma_atom(load, k, kmajor(C, D), (C, D))
-    tma_v, v_tiles = cpasync.make_tiled_tma_atom(load, v, kmajor(C, HALF), (C, HALF))
     _lightning_kernel(
         tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, decay, cu_seqlens, state_indices,
         has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale,
@@ -301,15 +241,6 @@ def _launch(
 
 _POINTERS = ("q", "k", "v", "out", "pool", "decay", "cu_seqlens", "state_indices", "has_initial_state",
              "checkpoint_indices")
-_ALIGNED = ("q", "k", "v", "out")  # TMA bases and 16-byte row stores
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(dtypes: tuple, constexprs: tuple):
-    """The compiled launcher for one configuration (``_POINTERS``' dtypes, ``_launch``'s constexprs)."""
-    fake = [pointer(dt, 1 << 20, name in _ALIGNED) for name, dt in zip(_POINTERS, dtypes)]
-    scalars = [64, 1, 1, 0, C, 0, 1.0]
-    return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **dict(constexprs))
 
 
 def unsupported(q, k, v, out, pool) -> str | None:
@@ -350,11 +281,7 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
                   ("QK_L2NORM", recipe.qk_l2norm), ("HAS_SLOTS", state_indices is not None),
                   ("HAS_POOL", has_pool), ("HAS_INIT_FLAGS", has_pool and has_initial_state is not None),
                   ("HAS_CKPT", ckpt is not None))
-    dtypes = tuple(torch.int32 if x is None else x.dtype for x in tensors)
-    compiled = _compiled(dtypes, constexprs)
-    pointers = [pointer(dt, 0 if x is None else x.data_ptr(), name in _ALIGNED)
-                for name, dt, x in zip(_POINTERS, dtypes, tensors)]
     scalars = (T, N, state_pool.shape[0] if has_pool else 1, 0 if ckpt is None else ckpt.shape[1],
                checkpoint_every or C, 0 if ckpt is None else ckpt.stride(0), recipe.scale)
-    launch(compiled, pointers, scalars, q.device)
+    launch(_launch, _POINTERS, tensors, scalars, constexprs, q.device)
     return out
