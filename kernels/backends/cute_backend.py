@@ -65,7 +65,8 @@ def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple
 # The prefill kernels run one CTA per sequence and value head, without segments; below this share
 # of the SMs the Triton kernels' segments (and for GDN its state pass's V tiles) win (H100, device
 # time per token-head: Lightning 1 x 8192 tokens, 48 heads 0.948 against Triton's 0.884, 64 heads
-# 0.733 against 0.795; GDN at 32 heads, 1 x 32768 5.02 against 3.65, 4 x 8192 1.44 against 2.61).
+# 0.733 against 0.795; GDN at 32 heads, N x 8192 tokens, 1 sequence 5.13 against 4.95, 2 sequences
+# 2.71 against 4.21; the bench, eager: 1 x 32768 4.02 against 3.40, 4 x 8192 0.97 against 2.42).
 PREFILL_MIN_SM_SHARE = 0.4
 
 
