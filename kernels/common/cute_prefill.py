@@ -3,9 +3,10 @@
 chunk's q, k, v tiles by TMA, two consumer warpgroups each owning HALF = 64 rows of the state
 S^T [V, K] in wgmma accumulators and 64 output columns.
 
-Device side: the swizzled operand tiles, wgmma issue, the TMA producer, the rows' l2 norms, the
-output's 16-byte row stores, state checkpoints. Host side: which tensors the kernels take, the
-compile-time strides, the index checks and the launch.
+Device side: the swizzled operand tiles, wgmma issue, the TMA producer and its pipeline, the
+CTA's sequence, the rows' l2 norms, the state's load / restage / store, the end of a chunk (the
+output's 16-byte row stores, a checkpoint), the tensor views. Host side: which tensors the kernels
+take, the compile-time strides, the index checks, compile-once and the launch.
 """
 from __future__ import annotations
 
@@ -316,6 +317,7 @@ def checkpoints(state_pool, checkpoint_every, checkpoint_indices):
 
 
 def check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt):
+    """The index tensors' dtypes as the kernels read them (int32, bool for the flags)."""
     for name, x, dtype in (("cu_seqlens", cu_seqlens, torch.int32), ("state_indices", state_indices, torch.int32),
                            ("has_initial_state", has_initial_state, torch.bool),
                            ("checkpoint_indices", ckpt, torch.int32)):
