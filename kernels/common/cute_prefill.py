@@ -325,6 +325,21 @@ def check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt):
             raise ValueError(f"{name}: expected {dtype}, got {x.dtype}")
 
 
+def launch_arguments(recipe, q, k, v, out, cu_seqlens, state_pool, state_indices, has_initial_state, ckpt,
+                     checkpoint_every) -> tuple:
+    """(scalars, constexprs) that every prefill launcher takes: the 7 ``SCALARS`` (T, N, P,
+    num_checkpoints, checkpoint_every, checkpoint_stride, scale) and the compile-time strides,
+    head counts and flags. ``ckpt``: from ``checkpoints``."""
+    has_pool = state_pool is not None
+    scalars = (q.shape[0], cu_seqlens.shape[0] - 1, state_pool.shape[0] if has_pool else 1,
+               0 if ckpt is None else ckpt.shape[1], checkpoint_every or C, 0 if ckpt is None else ckpt.stride(0),
+               recipe.scale)
+    constexprs = (("STRIDES", strides(q, k, v, out, state_pool)), ("H", q.shape[1]), ("HV", v.shape[1]),
+                  ("QK_L2NORM", recipe.qk_l2norm), ("HAS_SLOTS", state_indices is not None), ("HAS_POOL", has_pool),
+                  ("HAS_INIT_FLAGS", has_pool and has_initial_state is not None), ("HAS_CKPT", ckpt is not None))
+    return scalars, constexprs
+
+
 ALIGNED = ("q", "k", "v", "out")  # TMA bases and 16-byte row stores
 SCALARS = (64, 1, 1, 0, C, 0, 1.0)  # T, N, P, num_checkpoints, checkpoint_every, checkpoint_stride, scale
 

@@ -59,9 +59,9 @@ from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
 from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_sequence,
-                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, launch, load_state,
-                                   make_loads, produce, row_inv_norms, stage_state, store_state, strides,
-                                   tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
+                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, launch,
+                                   launch_arguments, load_state, make_loads, produce, row_inv_norms, stage_state,
+                                   store_state, tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
 from ..common.prep import Recipe
 from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid
 
@@ -569,28 +569,21 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
     why = unsupported(recipe.mode, q, k, v, out, state_pool)
     if why:
         raise ValueError(why)
-    T, H, _ = q.shape
-    HV = v.shape[1]
-    N = cu_seqlens.shape[0] - 1
-    has_pool = state_pool is not None
     ckpt = checkpoints(state_pool, checkpoint_every, checkpoint_indices)
+    check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (q.shape[0], v.shape[1]):
+            raise ValueError(f"{name}: expected [{q.shape[0]}, {v.shape[1]}], got {tuple(x.shape)}")
     gate = recipe.fused_gate
     A_log = None if gate is None else gate.A_log.float().contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.float().contiguous()
+    # an absent tensor (None) is never read (its flag is off)
     tensors = (q, k, v, out, state_pool, g, beta, A_log, dt_bias, cu_seqlens, state_indices, has_initial_state,
                ckpt)
-    check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
-    for name, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (T, HV):
-            raise ValueError(f"{name}: expected [{T}, {HV}], got {tuple(x.shape)}")
-    constexprs = (("STRIDES", strides(q, k, v, out, state_pool)),
-                  ("GATE_STRIDES", (*g.stride(), *beta.stride())), ("H", H), ("HV", HV),
-                  ("QK_L2NORM", recipe.qk_l2norm), ("GATE", GATE_NONE if gate is None else GATE_SOFTPLUS),
-                  ("HAS_DT_BIAS", dt_bias is not None), ("BETA_LOGITS", recipe.beta_logits),
-                  ("HAS_SLOTS", state_indices is not None), ("HAS_POOL", has_pool),
-                  ("HAS_INIT_FLAGS", has_pool and has_initial_state is not None), ("HAS_CKPT", ckpt is not None))
-    scalars = (T, N, state_pool.shape[0] if has_pool else 1, 0 if ckpt is None else ckpt.shape[1],
-               checkpoint_every or C, 0 if ckpt is None else ckpt.stride(0), recipe.scale)
-    # an absent tensor (None) is never read (its flag is off)
+    scalars, constexprs = launch_arguments(recipe, q, k, v, out, cu_seqlens, state_pool, state_indices,
+                                           has_initial_state, ckpt, checkpoint_every)
+    constexprs += (("GATE_STRIDES", (*g.stride(), *beta.stride())),
+                   ("GATE", GATE_NONE if gate is None else GATE_SOFTPLUS), ("HAS_DT_BIAS", dt_bias is not None),
+                   ("BETA_LOGITS", recipe.beta_logits))
     launch(_launch, _POINTERS, tensors, scalars, constexprs, q.device)
     return out

@@ -49,9 +49,9 @@ from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
 from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_sequence,
-                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, launch, load_state,
-                                   make_loads, produce, row_inv_norms, stage_state, store_state, strides,
-                                   tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
+                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, launch,
+                                   launch_arguments, load_state, make_loads, produce, row_inv_norms, stage_state,
+                                   store_state, tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
 from ..common.prep import Recipe
 
 CONSUMER_REGS = 240
@@ -268,20 +268,12 @@ def lightning_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_poo
     why = unsupported(q, k, v, out, state_pool)
     if why:
         raise ValueError(why)
-    T, H, _ = q.shape
-    HV = v.shape[1]
-    N = cu_seqlens.shape[0] - 1
-    has_pool = state_pool is not None
     ckpt = checkpoints(state_pool, checkpoint_every, checkpoint_indices)
-    # an absent tensor is never read (its HAS_* flag is off): a null int32 pointer stands in
-    tensors = (q, k, v, out, state_pool if has_pool else out, g if g.dtype == torch.float32 else g.float(),
-               cu_seqlens, state_indices, has_initial_state, ckpt)
     check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
-    constexprs = (("STRIDES", strides(q, k, v, out, state_pool)), ("H", H), ("HV", HV),
-                  ("QK_L2NORM", recipe.qk_l2norm), ("HAS_SLOTS", state_indices is not None),
-                  ("HAS_POOL", has_pool), ("HAS_INIT_FLAGS", has_pool and has_initial_state is not None),
-                  ("HAS_CKPT", ckpt is not None))
-    scalars = (T, N, state_pool.shape[0] if has_pool else 1, 0 if ckpt is None else ckpt.shape[1],
-               checkpoint_every or C, 0 if ckpt is None else ckpt.stride(0), recipe.scale)
+    # an absent tensor is never read (its HAS_* flag is off): a null int32 pointer stands in
+    tensors = (q, k, v, out, out if state_pool is None else state_pool, g if g.dtype == torch.float32 else g.float(),
+               cu_seqlens, state_indices, has_initial_state, ckpt)
+    scalars, constexprs = launch_arguments(recipe, q, k, v, out, cu_seqlens, state_pool, state_indices,
+                                           has_initial_state, ckpt, checkpoint_every)
     launch(_launch, _POINTERS, tensors, scalars, constexprs, q.device)
     return out
