@@ -245,7 +245,7 @@ def _prefill(mode, q, k, v, g, beta, decay, *, scale, cu_seqlens, state_pool, st
     module = _select("prefill", device, backend, input_dtype=q.dtype,
                      state_dtype=None if pool_for_dtype is None else pool_for_dtype.dtype, K=K, V=V,
                      workload=dict(mode=mode, N=N, T=T, HV=HV, tensors=(q, k, v, out, pool_for_dtype),
-                                   options=tuple(kwargs)))
+                                   options=tuple(kwargs), checkpoints=checkpoint_every is not None))
 
     if value_checks_enabled(cu_seqlens, state_indices, checkpoint_indices):
         if cu_seqlens is not None:
@@ -309,7 +309,7 @@ _PREFILL_DOC = """
         **kwargs: forwarded to the backend (the torch backend takes ``algorithm`` and ``compute_dtype``;
             the triton backend ``segment_tokens``: None cuts long sequences into segments run in
             parallel where the shapes would leave SMs idle, 0 never, a multiple of 64 forces that
-            length; see ``kernels/common/segments.py``).
+            length; see ``kernels/common/segments.py``; the cute backend takes it for GDN).
             ``map_columns=K`` (context parallelism, see ``cula_serve.dist.cp``): the state, the
             pool / initial_state and ``out`` get K more columns than v, whose values are zero;
             started from the identity they carry the affine map of the segment.

@@ -416,11 +416,12 @@ def test_map_columns_carry_the_segment_map(mode, generator):
 @pytest.mark.parametrize("tokens", [64, 128])
 def test_segments_match_oracle(mode, tokens, generator):
     """In-card context parallelism forced at small sizes (``segment_tokens``): sequences of 300,
-    1, 0, 200 (padding) and 130 tokens cut into segments of 64 or 128 tokens (five, one, none,
-    four and three segments), transitions computed in parallel and composed; permuted slots,
-    a sequence without an initial state, checkpoints every 64 tokens that fall inside segments.
-    float32 end to end, so the composition must be exact to 1e-5."""
-    lens, slots, has_init = [300, 1, 0, 200, 130], [3, 0, 1, -1, 5], [True, False, True, True, True]
+    1, 0, 200 (padding) and 130 tokens cut into segments of 64 or 128 tokens (five, one, one
+    empty, four and three segments), transitions computed in parallel and composed; permuted
+    slots, two sequences without an initial state (the empty one's slot still gets zeros),
+    checkpoints every 64 tokens that fall inside segments. float32 end to end, so the composition
+    must be exact to 1e-5."""
+    lens, slots, has_init = [300, 1, 0, 200, 130], [3, 0, 1, -1, 5], [True, False, False, True, True]
     shape = dict(H=1, HV=2, K=32, V=32)
     ckpt = torch.tensor([[10, 11, -1, 12], [-1, -1, -1, -1], [-1, -1, -1, -1], [13, 14, 15, 16], [17, -1, 18, 19]],
                         dtype=torch.int32)
@@ -433,6 +434,57 @@ def test_segments_match_oracle(mode, tokens, generator):
     assert (o[301:501] == 0).all()
     assert_same_writes(pool, ref_pool, 1e-5)
     assert all(not torch.isnan(pool[s]).any() for s in (10, 11, 12, 17))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_segments_compose_and_correct(state_dtype, generator):
+    """In-card segments as the CuTe DSL GDN prefill runs them, in one state pass: each segment on
+    its own (value rows from the pool in a sequence's first segment, else from zeros; K map rows
+    from the identity, ``map_columns``), here by the triton prefill; then
+    ``compose_initial_states(final_pool=...)`` writes the final states and
+    ``correct_segment_outputs`` adds q~ S. Against the oracle on the whole batch: sequences of
+    300, 0 (no initial state: its slot still gets zeros), 1, 200 (padding) and 130 tokens in
+    segments of 128; permuted slots; out NaN-poisoned where no segment writes."""
+    from cula_serve.kernels.common.affine_output import correct_segment_outputs
+    from cula_serve.kernels.common.segments import compose_initial_states, num_segment_ids
+
+    lens, slots, has_init = [300, 0, 1, 200, 130], [3, 1, 0, -1, 5], [True, False, False, True, True]
+    shape = dict(H=1, HV=2, K=32, V=32)
+    HV, K, V, tokens = shape["HV"], shape["K"], shape["V"], 128
+    kw = random_inputs("gdn", (sum(lens),), **shape, dtype=torch.float32, generator=generator)
+    pool, call = _varlen_case(generator, shape, lens, slots, has_init, state_dtype=state_dtype)
+    ref_o, _ = prefill_call("gdn", to_float64(kw), state_pool=(ref_pool := pool.double()), **call, **ORACLE)
+    cu = call["cu_seqlens"]
+    transitions = torch.full((num_segment_ids(sum(lens), len(lens), tokens), HV, V + K, K), float("nan"))
+    carried = torch.full((sum(lens), HV, K), float("nan"))
+    out = torch.full((sum(lens), HV, V), float("nan"))
+    sid = 0
+    for n, (length, slot) in enumerate(zip(lens, slots)):
+        count = max(1, -(-length // tokens))
+        for j in range(count):
+            rows = slice(cu[n] + j * tokens, cu[n] + min((j + 1) * tokens, length))
+            part = {name: x[rows] if name in ("q", "k", "v", "g", "beta") else x for name, x in kw.items()}
+            span = _cu([rows.stop - rows.start])
+            if slot < 0:
+                out[rows] = 0
+            elif count == 1:  # a whole sequence: the plain prefill from and into its slot
+                prefill_call("gdn", part, cu_seqlens=span, state_pool=pool, state_indices=torch.tensor([slot]),
+                             has_initial_state=torch.tensor([has_init[n]]), out=out[rows], **TRITON)
+            else:
+                start = torch.zeros(1, HV, V + K, K)
+                if j == 0 and has_init[n]:
+                    start[0, :, :V] = pool[slot].float()
+                start[0, :, V:] = torch.eye(K)
+                o, final = prefill_call("gdn", part, cu_seqlens=span, initial_state=start, output_final_state=True,
+                                        map_columns=K, **TRITON)
+                out[rows], carried[rows], transitions[sid] = o[..., :V], o[..., V:], final[0]
+            sid += 1
+    initial = torch.full((transitions.shape[0], HV, V, K), float("nan"))
+    compose_initial_states(cu, call["state_indices"], transitions, initial, tokens=tokens, V=V, final_pool=pool)
+    correct_segment_outputs(cu, call["state_indices"], carried, initial, out, tokens=tokens)
+    tol = tolerance(torch.float32, state_dtype)
+    assert_close(out, ref_o, tol)
+    assert_same_writes(pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("mode", MODES)

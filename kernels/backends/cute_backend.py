@@ -4,14 +4,14 @@
              kernels/delta_rule/recurrent_cute.py (gdn, kda and lightning: one kernel)
     buffer / slots commit
              the Triton backend's state copy (a plain copy of one state per sequence)
-    prefill  kernels/delta_rule/chunk_cute.py (GDN) and kernels/lightning/chunk_cute.py (Lightning),
-             bf16 rows, K = V = 128; KDA has no CuTe DSL prefill, so dispatch passes it and every
-             other shape to the Triton backend (``call_error``), and batches that Triton runs in
-             segments (``defers``)
+    prefill  kernels/delta_rule/chunk_cute.py (GDN, long sequences in segments) and
+             kernels/lightning/chunk_cute.py (Lightning), bf16 rows, K = V = 128; KDA has no CuTe
+             DSL prefill, so dispatch passes it and every other shape to the Triton backend
+             (``call_error``), and batches that Triton runs faster (``defers``)
 Shapes, dtypes, pool semantics and the three MTP protocols are those of the torch backend, the
 reference. Nothing synchronises with the host or compiles after the first call of a shape, so
 decode, verify and commit can be captured in CUDA graphs (warm up first: ``cula_serve.warmup``).
-This backend takes no backend-specific keyword arguments.
+The GDN prefill takes one backend-specific keyword, ``segment_tokens`` (as the triton backend's).
 """
 from __future__ import annotations
 
@@ -52,25 +52,27 @@ def head_dims_error(K: int, V: int) -> str | None:
 def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple = (), **_) -> str | None:
     """Why this backend cannot run a call that its dtypes and head dims admit (None when it can).
     Its prefill kernels are GDN's and Lightning's for bf16 rows, K = V = 128 (the kernels'
-    ``unsupported``), and it takes no backend options (``segment_tokens`` is the Triton backend's)."""
+    ``unsupported``); the GDN prefill takes the option ``segment_tokens``, Lightning's none."""
     if operation != "prefill":
         return None
-    if options:
-        return f"prefill options {sorted(options)} are not the cute backend's"
+    own = ("segment_tokens",) if mode == "gdn" else ()
+    if set(options) - set(own):
+        return f"prefill options {sorted(set(options) - set(own))} are not the cute backend's for {mode}"
     if mode == "lightning":
         return chunk_cute.unsupported(*tensors)
     return delta_chunk_cute.unsupported(mode, *tensors)
 
 
-# The prefill kernels run one CTA per sequence and value head, without segments; below this share
-# of the SMs the Triton kernels' segments (and for GDN its state pass's V tiles) win (H100, device
-# time per token-head: Lightning 1 x 8192 tokens, 48 heads 0.948 against Triton's 0.884, 64 heads
-# 0.733 against 0.795; GDN at 32 heads, N x 8192 tokens, 1 sequence 5.13 against 4.95, 2 sequences
-# 2.71 against 4.21; the bench, eager: 1 x 32768 4.02 against 3.40, 4 x 8192 0.97 against 2.42).
+# The prefill kernels run one CTA per sequence and value head (GDN's long sequences in segments);
+# below this share of the SMs the Triton kernels' segments win where ours cannot segment (H100,
+# device time per token-head: Lightning 1 x 8192 tokens, 48 heads 0.948 against Triton's 0.884,
+# 64 heads 0.733 against 0.795; GDN unsegmented at 32 heads, 1 x 8192 tokens 5.13 against 4.95,
+# the bench, eager: 1 x 32768 4.02 against 3.40).
 PREFILL_MIN_SM_SHARE = 0.4
 
 
-def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple = (), **_) -> str | None:
+def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple = (), checkpoints: bool = False,
+           **_) -> str | None:
     """Why automatic dispatch should pass this call to the next backend although this one can
     run it: where the Triton kernels measured faster (BENCHMARKS.md).
 
@@ -80,18 +82,25 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
     B = 1 on (T = 4 deferred verify + commit, GDN B = 64: 128.0 against 152.8 us).
 
     Prefill where the CuTe DSL kernel's CTAs (one per sequence and value head) would fill less
-    than ``PREFILL_MIN_SM_SHARE`` of the SMs: for Lightning where the Triton kernel also cuts the
-    batch into segments (a TP4 shard's 16 heads on one 8192-token sequence: 2.90 against 1.15
-    ns per token-head on an H100); for GDN always (the Triton state pass splits each head's V
-    columns over several programs even unsegmented)."""
+    than ``PREFILL_MIN_SM_SHARE`` of the SMs, the Triton kernel cuts the batch into segments and
+    ours does not (Lightning never; GDN with checkpoints or where ``chunk_cute.segment_length``
+    finds it not worth it): a TP4 shard's 16 Lightning heads on one 8192-token sequence, 2.90
+    against 1.15 ns per token-head on an H100."""
     if operation == "decode" and N * HV < 2048:
         return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
     if operation == "prefill":
         from ..common.segments import sm_count
-        from ..lightning.chunk_triton import planned_segment_tokens
+        from ..delta_rule.chunk_triton import planned_segment_tokens as delta_segments
+        from ..lightning.chunk_triton import planned_segment_tokens as lightning_segments
         device = tensors[0].device
-        if N * HV < PREFILL_MIN_SM_SHARE * sm_count(device) and (
-                mode != "lightning" or planned_segment_tokens(T, N, HV, chunk_cute.HEAD_DIM, device)):
+        sms = sm_count(device)
+        D = chunk_cute.HEAD_DIM
+        if mode == "lightning":
+            triton_segments, ours = lightning_segments(T, N, HV, D, device), 0
+        else:
+            triton_segments = delta_segments(T, N, HV, D, D, sms)
+            ours = delta_chunk_cute.segment_length(T, N, HV, sms, checkpoints=checkpoints)
+        if N * HV < PREFILL_MIN_SM_SHARE * sms and triton_segments and not ours:
             return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel spreads it "
                     "over more, in parallel")
     return None
@@ -105,12 +114,17 @@ def _no_options(operation: str, kwargs: dict):
 def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
             checkpoint_every=None, checkpoint_indices=None, **kwargs):
     """Chunked prefill of a packed varlen batch (GDN and Lightning); arguments as for the torch
-    backend's ``prefill``. Raises ValueError for calls it cannot run (``call_error``)."""
+    backend's ``prefill``, plus ``segment_tokens`` for GDN (``chunk_cute.segment_length``).
+    Raises ValueError for calls it cannot run (``call_error``)."""
+    common = dict(cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices,
+                  has_initial_state=has_initial_state, out=out, checkpoint_every=checkpoint_every,
+                  checkpoint_indices=checkpoint_indices)
+    if recipe.mode == "lightning":
+        _no_options("prefill", kwargs)
+        return chunk_cute.lightning_prefill(recipe, q, k, v, g, beta, **common)
+    segment_tokens = kwargs.pop("segment_tokens", None)
     _no_options("prefill", kwargs)
-    run = chunk_cute.lightning_prefill if recipe.mode == "lightning" else delta_chunk_cute.gdn_prefill
-    return run(recipe, q, k, v, g, beta, cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices,
-               has_initial_state=has_initial_state, out=out, checkpoint_every=checkpoint_every,
-               checkpoint_indices=checkpoint_indices)
+    return delta_chunk_cute.gdn_prefill(recipe, q, k, v, g, beta, segment_tokens=segment_tokens, **common)
 
 
 def decode(recipe, q, k, v, g, beta, *, state_pool, state_indices, out, **kwargs):

@@ -9,6 +9,9 @@ start. Once the incoming state S [K, V] is known, the true output is ``o0 + q~ S
 + 2 V bytes per token and head in bf16, where a batched GEMM on the strided halves makes an extra
 pass over o0 (cuBLAS's ``beta = 1`` needs the addend in the output first) plus a copy. On the CPU
 it is that GEMM.
+
+``correct_segment_outputs`` is the same correction for in-card segments (``segments``), where o0
+is already in ``out`` and q~ in a [T, HV, K] buffer, for every segment of a batch in one launch.
 """
 from __future__ import annotations
 
@@ -16,8 +19,21 @@ import torch
 import triton
 import triton.language as tl
 
+from .segments import num_segment_ids, segment_span
+
 _BLOCK_TOKENS = 64
 _TILES_PER_PROGRAM = 8  # token tiles per program: S is loaded once for all of them
+
+
+@triton.jit
+def _add_carried(o0, q, S, PREC: tl.constexpr):
+    """o0 + q S for a tile of rows: o0 [BT, V] float32, q [BT, K] the carried queries, S [K, V]
+    float32; bf16 products (PREC "bf16") or float32 accuracy (tf32x3), float32 accumulation."""
+    if PREC == "bf16":
+        product = tl.dot(q.to(tl.bfloat16), S.to(tl.bfloat16))
+    else:
+        product = tl.dot(q.to(tl.float32), S, input_precision="tf32x3")
+    return o0 + product
 
 
 @triton.jit
@@ -32,7 +48,7 @@ def _affine_output_kernel(widened, state, out, L,
     # S[k, v] = state[hv, v, k] (K-last)
     S = tl.load(state + hv * s_st_h + vs[None, :] * s_st_v + ks[:, None])
     if PREC == "bf16":
-        S = S.to(tl.bfloat16)
+        S = S.to(tl.bfloat16)  # once, not per tile
     rows = tl.arange(0, BT)
     for i in range(TILES):
         t = (tl.program_id(0) * TILES + i) * BT + rows
@@ -40,12 +56,8 @@ def _affine_output_kernel(widened, state, out, L,
         row = widened + t[:, None].to(tl.int64) * s_wt + hv * s_wh
         o0 = tl.load(row + vs[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         q = tl.load(row + V + ks[None, :], mask=live[:, None], other=0.0)
-        if PREC == "bf16":
-            o0 += tl.dot(q.to(tl.bfloat16), S)
-        else:
-            o0 += tl.dot(q.to(tl.float32), S, input_precision="tf32x3")
-        tl.store(out + t[:, None].to(tl.int64) * s_ot + hv * s_oh + vs[None, :], o0.to(out.dtype.element_ty),
-                 mask=live[:, None])
+        tl.store(out + t[:, None].to(tl.int64) * s_ot + hv * s_oh + vs[None, :],
+                 _add_carried(o0, q, S, PREC).to(out.dtype.element_ty), mask=live[:, None])
 
 
 def correct_outputs(widened: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -76,4 +88,54 @@ def correct_outputs(widened: torch.Tensor, state: torch.Tensor, out: torch.Tenso
             widened, state, out, L, widened.stride(0), widened.stride(1), state.stride(0), state.stride(1),
             out.stride(0), out.stride(1), K=K, V=V, BT=_BLOCK_TOKENS, TILES=_TILES_PER_PROGRAM,
             PREC="bf16" if widened.dtype == torch.bfloat16 else "tf32x3", num_warps=8)
+    return out
+
+
+@triton.jit
+def _segment_output_kernel(out, carried, initial, cu_seqlens, state_indices, num_seqs, tokens, groups,
+                           s_ot, s_oh, s_ct, s_ch, s_in, s_ih, s_iv,
+                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TILES: tl.constexpr,
+                           HAS_SLOTS: tl.constexpr):
+    """Program (segment id x token group, value head): out[t] += q~[t] S for the TILES x BT tokens
+    of its group, where the segment continues a live sequence (S its composed initial state)."""
+    sid = tl.program_id(0) // groups
+    group = tl.program_id(0) % groups
+    hv = tl.program_id(1)
+    live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, sid, tokens)
+    if HAS_SLOTS:
+        live = live & (tl.load(state_indices + n) >= 0)
+    if live & (first == 0):
+        ks = tl.arange(0, K)
+        vs = tl.arange(0, V)
+        S = tl.load(initial + sid.to(tl.int64) * s_in + hv * s_ih + vs[None, :] * s_iv + ks[:, None])
+        rows = tl.arange(0, BT)
+        for i in range(TILES):
+            t = bos + (group * TILES + i) * BT + rows
+            keep = (t < eos)[:, None]
+            dst = out + t[:, None] * s_ot + hv * s_oh + vs[None, :]
+            o0 = tl.load(dst, mask=keep, other=0.0).to(tl.float32)
+            q = tl.load(carried + t[:, None] * s_ct + hv * s_ch + ks[None, :], mask=keep, other=0.0)
+            tl.store(dst, _add_carried(o0, q, S, "tf32x3").to(out.dtype.element_ty), mask=keep)
+
+
+def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *, tokens: int) -> torch.Tensor:
+    """In-card context parallelism (``kernels.common.segments``) run as one prefill pass: every
+    segment that continues a live sequence was prefilled from a zero value state, with K map rows
+    whose outputs are its carried queries q~; now that its initial state S is composed, add q~ S.
+
+    cu_seqlens: int32 [N + 1]; state_indices: int32 [N] or None (negative: padding, skipped);
+    carried: [T, HV, K] (bf16) the map rows' outputs, read at those segments' tokens;
+    initial: float32 [segment ids, HV, V, K] (K-last), from ``segments.compose_initial_states``;
+    out: [T, HV, V], rows contiguous, holding o0 there; corrected in place (float32 accuracy).
+    """
+    T, HV, V = out.shape
+    K = carried.shape[-1]
+    N = cu_seqlens.shape[0] - 1
+    num_ids = num_segment_ids(T, N, tokens)
+    groups = triton.cdiv(tokens, _BLOCK_TOKENS * _TILES_PER_PROGRAM)
+    _segment_output_kernel[(num_ids * groups, HV)](
+        out, carried, initial, cu_seqlens, state_indices if state_indices is not None else cu_seqlens, N, tokens,
+        groups, out.stride(0), out.stride(1), carried.stride(0), carried.stride(1), initial.stride(0),
+        initial.stride(1), initial.stride(2), K=K, V=V, BT=_BLOCK_TOKENS, TILES=_TILES_PER_PROGRAM,
+        HAS_SLOTS=state_indices is not None, num_warps=8)
     return out

@@ -189,6 +189,41 @@ def block_sequence(cu_seqlens: cute.Tensor, state_indices: cute.Tensor, HV: cutl
     return n, hv, hv // GROUP, bos, length, (length + C - 1) // C, slot
 
 
+@cute.jit
+def block_segment(cu_seqlens: cute.Tensor, state_indices: cute.Tensor, N: Int32, tokens: Int32,
+                  HV: cutlass.Constexpr[int], GROUP: cutlass.Constexpr[int], HAS_SLOTS: cutlass.Constexpr[bool]):
+    """As ``block_sequence`` for a launch over segments of ``tokens`` (``kernels.common.segments``):
+    blockIdx.x = segment id * HV + value head, ids in packed order, each sequence cut into
+    max(1, ceil(length / tokens)) segments (as ``segments.segment_span`` counts them). Returns (n,
+    hv, h, bos, length, num_chunks, slot, sid, j, last): bos and length the segment's, j its index
+    in the sequence, last whether it ends it. An id past the last segment gets length 0 and slot -1.
+
+    Each CTA walks the sequences before its own (one load each, the few sequences of a batch
+    that is cut into segments)."""
+    bid = cute.arch.block_idx()[0]
+    sid = bid // HV
+    hv = bid % HV
+    n = Int32(-1)
+    j = Int32(0)
+    before = Int32(0)
+    for m in cutlass.range(N, unroll=1):
+        count = cutlass.max((cu_seqlens[m + 1] - cu_seqlens[m] + tokens - 1) // tokens, 1)
+        if (n < 0) & (sid < before + count):
+            n = m
+            j = sid - before
+        before += count
+    live = n >= 0
+    n = cutlass.max(n, 0)
+    seq_end = cu_seqlens[n + 1]
+    bos = cu_seqlens[n] + j * tokens
+    length = cutlass.select_(live, cutlass.min(seq_end - bos, tokens), 0)
+    slot = Int64(n)
+    if const_expr(HAS_SLOTS):
+        slot = Int64(state_indices[n])
+    slot = cutlass.select_(live, slot, Int64(-1))
+    return n, hv, hv // GROUP, bos, length, (length + C - 1) // C, slot, sid, j, bos + length == seq_end
+
+
 def make_loads(barriers):
     """The producer -> consumers pipeline of q, k and v tiles: STAGES buffers, one TMA
     transaction of 3 C x 128 bf16 tiles each, one arrive per consumer warp."""
@@ -340,24 +375,24 @@ def launch_arguments(recipe, q, k, v, out, cu_seqlens, state_pool, state_indices
     return scalars, constexprs
 
 
-ALIGNED = ("q", "k", "v", "out")  # TMA bases and 16-byte row stores
+ALIGNED = ("q", "k", "v", "out", "q_carried")  # TMA bases and 16-byte row stores
 SCALARS = (64, 1, 1, 0, C, 0, 1.0)  # T, N, P, num_checkpoints, checkpoint_every, checkpoint_stride, scale
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(launcher, names: tuple, dtypes: tuple, constexprs: tuple):
+def _compiled(launcher, names: tuple, dtypes: tuple, constexprs: tuple, extra_scalars: int):
     fake = [pointer(dt, 1 << 20, name in ALIGNED) for name, dt in zip(names, dtypes)]
-    return cute.compile(launcher, *fake, *SCALARS, make_fake_stream(), **dict(constexprs))
+    return cute.compile(launcher, *fake, *SCALARS, *(C,) * extra_scalars, make_fake_stream(), **dict(constexprs))
 
 
 def launch(launcher, names: tuple, tensors: tuple, scalars: tuple, constexprs: tuple, device: torch.device):
-    """Run ``launcher`` (a ``cute.jit`` function of pointers named ``names``, the 7 ``SCALARS``, a
-    stream and ``constexprs``) on ``tensors`` (None: never read, a null int32 pointer), compiled
-    once per configuration. Host work per call is kept small (it is not hidden behind the kernel
-    when the GPU waits on it): strides and flags are compile-time, devices are switched only when
-    the tensors sit on another one."""
+    """Run ``launcher`` (a ``cute.jit`` function of pointers named ``names``, the 7 ``SCALARS`` and
+    any further Int32 scalars, a stream and ``constexprs``) on ``tensors`` (None: never read, a
+    null int32 pointer), compiled once per configuration. Host work per call is kept small (it is
+    not hidden behind the kernel when the GPU waits on it): strides and flags are compile-time,
+    devices are switched only when the tensors sit on another one."""
     dtypes = tuple(torch.int32 if x is None else x.dtype for x in tensors)
-    compiled = _compiled(launcher, names, dtypes, constexprs)
+    compiled = _compiled(launcher, names, dtypes, constexprs, len(scalars) - len(SCALARS))
     pointers = [pointer(dt, 0 if x is None else x.data_ptr(), name in ALIGNED)
                 for name, dt, x in zip(names, dtypes, tensors)]
     here = device.index == torch.cuda.current_device()

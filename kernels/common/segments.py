@@ -29,8 +29,15 @@ The work of the state pass roughly doubles for the delta rule (its transitions c
 columns) and grows by a quarter for Lightning (one product of four); it pays where the
 unsegmented pass would leave SMs idle, which ``segment_tokens`` decides from shapes alone.
 
+The CuTe DSL GDN prefill (``kernels/delta_rule/chunk_cute.py``) needs no third launch: its one
+state pass computes every segment's transition and outputs together, from zeros (value rows) and
+the identity (map rows, whose outputs are the carried queries q~); composition then also writes
+the final states (``final_pool``) and ``affine_output.correct_segment_outputs`` adds q~ S to the
+outputs of the segments that continue a sequence.
+
 Segments are ``segment_tokens`` long (a multiple of the chunk size, so chunk boundaries and
-checkpoints fall where they fall without segments), the last one of a sequence shorter. Segment
+checkpoints fall where they fall without segments), the last one of a sequence shorter; an empty
+sequence has one empty segment, whose program writes its slot as an unsegmented one would. Segment
 ids follow the packed order (sequence 0's segments first); every program finds its own from
 ``cu_seqlens`` (``segment_span``), so the grid is sized by the bound T // segment_tokens + N and
 no table is built on the host or in an extra launch. Host work matters: on an H200 a segmented
@@ -97,9 +104,10 @@ def num_segment_ids(num_tokens: int, num_seqs: int, tokens: int) -> int:
 def segment_span(cu_seqlens, num_seqs, sid, tokens):
     """Tokens of segment ``sid``: (live, sequence, the sequence's first token, the segment's first
     token, its end, first segment of its sequence, last segment). Not live: ids past the last
-    segment (then the span is empty). O(N) per program (``locate_pieces``), for the few long
-    sequences that are segmented."""
-    seq, j = locate_pieces(cu_seqlens, num_seqs, sid + tl.zeros([1], dtype=tl.int32), tokens)
+    segment (then the span is empty). A sequence has max(1, ceil(length / tokens)) segments: an
+    empty one has an empty segment, whose program writes its slot as the unsegmented pass does.
+    O(N) per program (``locate_pieces``), for the few long sequences that are segmented."""
+    seq, j = locate_pieces(cu_seqlens, num_seqs, sid + tl.zeros([1], dtype=tl.int32), tokens, True)
     seq = tl.sum(seq, 0)
     j = tl.maximum(tl.sum(j, 0), 0)
     live = seq >= 0
@@ -161,12 +169,13 @@ def program_span(cu_seqlens, state_indices, num_seqs, pid, tokens, out, s_ot, vm
 
 
 @triton.jit
-def _compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, decay, tokens,
-                    s_tn, s_th, s_tv, s_in, s_ih, s_iv,
+def _compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, decay, tokens, pool,
+                    s_tn, s_th, s_tv, s_in, s_ih, s_iv, s_ps, s_ph, s_pv,
                     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                    MATRIX: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                    MATRIX: tl.constexpr, HAS_SLOTS: tl.constexpr, FINAL: tl.constexpr):
     """One (sequence, value head, V tile): X_{j+1} = X_j A_j^T + D_j^T over the sequence's
-    segments (module docstring), rows vo of X = S^T, float32."""
+    segments (module docstring), rows vo of X = S^T, float32. FINAL: the last segment's
+    transition too, X_count, into the sequence's slot of ``pool``."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     vo = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -180,7 +189,7 @@ def _compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, d
     if live:
         sid = 0  # the id of the sequence's first segment: the segments of the sequences before it
         for n0 in range(0, n, SEQ_BLOCK):
-            before, counts = piece_counts(cu_seqlens, n0, n, tokens)
+            before, counts = piece_counts(cu_seqlens, n0, n, tokens, True)
             sid += tl.sum(counts, 0)
         sid = sid.to(tl.int64)
         transitions += hv * s_th
@@ -190,7 +199,7 @@ def _compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, d
         tl.store(initial + (sid + 1) * s_in + vo[:, None] * s_iv + ko[None, :], X, mask=vmask)
         if not MATRIX:
             carry = tl.exp(tl.load(decay + hv).to(tl.float32) * tokens)  # every segment but the last is full
-        for j in range(1, count - 1):
+        for j in range(1, count - 1 + FINAL):
             base = transitions + (sid + j) * s_tn
             D = tl.load(base + rows, mask=vmask, other=0.0)
             if MATRIX:
@@ -198,16 +207,28 @@ def _compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, d
                 X = tl.dot(X, A_t, input_precision="tf32x3") + D
             else:
                 X = X * carry + D
-            tl.store(initial + (sid + j + 1) * s_in + vo[:, None] * s_iv + ko[None, :], X, mask=vmask)
+            if j < count - 1:
+                tl.store(initial + (sid + j + 1) * s_in + vo[:, None] * s_iv + ko[None, :], X, mask=vmask)
+            else:  # FINAL
+                if HAS_SLOTS:
+                    slot = tl.load(state_indices + n).to(tl.int64)
+                else:
+                    slot = n.to(tl.int64)
+                tl.store(pool + slot * s_ps + hv * s_ph + vo[:, None] * s_pv + ko[None, :],
+                         X.to(pool.dtype.element_ty), mask=vmask)
 
 
-def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, tokens: int, V: int, decay=None):
+def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, tokens: int, V: int, decay=None,
+                           final_pool=None):
     """Launch 2 of the module docstring: every non-first segment's initial state into ``initial``.
 
     cu_seqlens: int32 [N + 1]; state_indices: int32 [N] or None (negative: padding, skipped);
     transitions: float32 [S, HV, V + K, K] (delta rule: D then A^T) or [S, HV, V, K] with
     ``decay`` [HV] (Lightning: A = exp(decay * tokens)); initial: float32 [S, HV, V, K], written
     at the non-first segments of live sequences. S = ``num_segment_ids``.
+    final_pool: None, or the [P, HV, V, K] pool (float32 / bf16, K-last) that gets each segmented
+    sequence's final state, composed through its last segment's transition as well (for callers
+    that compute every segment's transition and no second state pass: the CuTe DSL GDN prefill).
     """
     N = cu_seqlens.shape[0] - 1
     HV, K = initial.shape[1], initial.shape[3]
@@ -215,10 +236,13 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
     # (three pipelined stages at 64 rows asked for 320 KB on an H200)
     BV = min(V, 32)
     matrix = decay is None
+    final = final_pool is not None
     _compose_kernel[(N, HV, triton.cdiv(V, BV))](
         cu_seqlens, N, state_indices if state_indices is not None else cu_seqlens, transitions, initial,
-        decay if decay is not None else transitions, tokens,
+        decay if decay is not None else transitions, tokens, final_pool if final else initial,
         transitions.stride(0), transitions.stride(1), transitions.stride(2),
         initial.stride(0), initial.stride(1), initial.stride(2),
-        K=K, V=V, BV=BV, MATRIX=matrix, HAS_SLOTS=state_indices is not None, num_warps=4, num_stages=1)
+        *(final_pool.stride()[:3] if final else (0, 0, 0)),
+        K=K, V=V, BV=BV, MATRIX=matrix, HAS_SLOTS=state_indices is not None, FINAL=int(final), num_warps=4,
+        num_stages=1)
     return initial

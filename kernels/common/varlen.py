@@ -30,27 +30,32 @@ SEQ_BLOCK = tl.constexpr(64)  # sequences read per step of the walks below
 
 
 @triton.jit
-def piece_counts(cu_seqlens, n0, num_seqs, size):
+def piece_counts(cu_seqlens, n0, num_seqs, size, AT_LEAST_ONE: tl.constexpr = False):
     """Sequences n0 .. n0 + SEQ_BLOCK - 1 (those < num_seqs): their indices and how many pieces of
-    ``size`` tokens each is cut into (0 past the end)."""
+    ``size`` tokens each is cut into (0 past the end). An empty sequence has no pieces, or one
+    with AT_LEAST_ONE (segments: its program still writes its slot)."""
     n = n0 + tl.arange(0, SEQ_BLOCK)
     live = n < num_seqs
     length = tl.load(cu_seqlens + n + 1, mask=live, other=0) - tl.load(cu_seqlens + n, mask=live, other=0)
-    return n, (length + size - 1) // size
+    count = (length + size - 1) // size
+    if AT_LEAST_ONE:
+        count = tl.where(live, tl.maximum(count, 1), 0)
+    return n, count
 
 
 @triton.jit
-def locate_pieces(cu_seqlens, num_seqs, ids, size):
+def locate_pieces(cu_seqlens, num_seqs, ids, size, AT_LEAST_ONE: tl.constexpr = False):
     """For global ids [B] of the pieces of ``size`` tokens of a packed batch (packed order: the
     pieces of sequence 0 first), the sequence holding each and its index there ([B] each; -1 for
     ids past the last piece). Walks the sequences in blocks, keeping the running piece offset,
-    and matches the ids against every sequence of a block at once."""
+    and matches the ids against every sequence of a block at once. AT_LEAST_ONE: as for
+    ``piece_counts``."""
     seq = tl.zeros(ids.shape, dtype=tl.int32)
     local = tl.zeros(ids.shape, dtype=tl.int32)
     found = tl.zeros(ids.shape, dtype=tl.int32)
     offset = 0  # pieces of the sequences before the current block
     for n0 in range(0, num_seqs, SEQ_BLOCK):
-        n, count = piece_counts(cu_seqlens, n0, num_seqs, size)
+        n, count = piece_counts(cu_seqlens, n0, num_seqs, size, AT_LEAST_ONE)
         first = offset + tl.cumsum(count, 0) - count  # global id of each sequence's first piece
         hit = (first[None, :] <= ids[:, None]) & (ids[:, None] < (first + count)[None, :])
         seq += tl.sum(tl.where(hit, n[None, :], 0), 1)

@@ -41,15 +41,32 @@ by clock64 probes: the solve 4.5k, the chain's products and scalings 3.7k, K K^T
 their scaling 1.8k, the output and the state's restaging 1.2k, gates and norms 1.1k, W 0.8k.
 The phases run one after the other, latency-bound (a quarter of the issue slots busy). Not done:
 overlapping one chunk's solve with the previous chunk's chain (warp specialisation between
-them; shared memory is full at 2 stages), and segments: one sequence is 32 CTAs at 32 heads,
-so automatic dispatch gives batches that fill few SMs to Triton (``cute_backend.defers``).
+them; shared memory is full at 2 stages).
+
+Segments (in-card context parallelism, ``kernels/common/segments.py``): one sequence is only HV
+CTAs, so a batch that leaves SMs idle is cut into segments of ``segment_length`` tokens that run
+side by side, in one state pass (the Triton kernel recomputes its segments in a second one):
+- a sequence's first segment runs its value rows from the pool state as above;
+- every later segment runs twice, on two CTAs: its value rows from zeros (outputs o0, final
+  state D), and its K map rows, the state widened as ``map_columns`` does: rows that start as
+  the identity and see zero values, whose outputs are the carried queries q~ and whose final
+  state is the segment's map A^T;
+- ``segments.compose_initial_states`` then chains S_{j+1} = S_j A_j + D_j into each segment's
+  initial state and the sequence's final state (into the pool), and
+  ``affine_output.correct_segment_outputs`` adds q~ S_j to the later segments' outputs.
+A sequence cut in s segments takes 2 s - 1 CTAs per head. H100, 32 heads, CUDA-graph replay:
+1 x 32768 tokens 3.80 -> 2.33 ns per token-head (two segments); a TP4 shard of 8 heads, 1 x 8192:
+14.8 -> 3.86 (eight). Segments write no checkpoints: with checkpoints a batch runs unsegmented
+(automatic dispatch then gives the few-CTA batches to Triton, ``cute_backend.defers``).
 
 Supported: bf16 q / k / v with K = V = 128 and 16-byte aligned rows, float32 / bf16 gates and beta
 as given or fused (``Recipe.fused_gate``, ``beta_logits``), float32 or bf16 pools, padding slots,
-has_initial_state, GVA, qk l2norm, checkpoints, dense states (through the API); the dispatcher
-passes anything else (KDA included) to Triton.
+has_initial_state, GVA, qk l2norm, checkpoints (unsegmented), dense states (through the API),
+segments; the dispatcher passes anything else (KDA included) to Triton.
 """
 from __future__ import annotations
+
+import torch
 
 import cutlass
 import cutlass.cute as cute
@@ -58,10 +75,13 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
-from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_sequence,
-                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, launch,
-                                   launch_arguments, load_state, make_loads, produce, row_inv_norms, stage_state,
-                                   store_state, tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
+from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_segment,
+                                   block_sequence, check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor,
+                                   launch, launch_arguments, load_state, make_loads, produce, row_inv_norms,
+                                   stage_state, store_state, tensor_views, transposed, unsupported as unsupported_rows,
+                                   zero_rows)
+from ..common import segments
+from ..common.affine_output import correct_segment_outputs
 from ..common.prep import Recipe
 from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid
 
@@ -70,6 +90,11 @@ BLOCK = 16  # rows of the triangular solve's diagonal blocks
 # accumulator's stores into A were 8-way conflicts, T's row reads by quarter rows as well)
 ROW_STRIDE = C + 8
 CONSUMER_REGS = 240
+# ``segment_length`` cuts a batch only where its longest CTA gets this many tokens shorter: 32
+# chunks, about 260 us of an H100, against the host work of the two more launches and the
+# composition (H100, eager, 32 heads: 1 x 2048 in two segments 0.686 ms against 0.272 unsegmented;
+# a TP4 shard of 8 heads, 1 x 8192 in eight, 0.503 against 0.97)
+SEGMENT_MIN_SAVED_TOKENS = 2048
 ALL = 3  # named barrier of both consumer warpgroups (0 is the CTA's, 1 and 2 each consumer's)
 
 
@@ -263,11 +288,18 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
              out: cute.Tensor, pool: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, A_log: cute.Tensor,
              dt_bias: cute.Tensor, has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor,
              checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32, n: Int32, hv: Int32, bos: Int32,
-             length: Int32, num_chunks: Int32, slot: Int64, live, layouts: cutlass.Constexpr,
+             length: Int32, num_chunks: Int32, slot: Int64, live, segment: tuple, layouts: cutlass.Constexpr,
              QK_L2NORM: cutlass.Constexpr[bool], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
              BETA_LOGITS: cutlass.Constexpr[bool], HAS_POOL: cutlass.Constexpr[bool],
-             HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool]):
-    """A consumer warpgroup: state rows and output columns w * 64 .. w * 64 + 63 (module docstring)."""
+             HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
+             SEGMENTED: cutlass.Constexpr[bool]):
+    """A consumer warpgroup: state rows and output columns w * 64 .. w * 64 + 63 (module docstring).
+
+    SEGMENTED: ``segment`` = (transitions, q_carried, sid, j, last, maps), the CTA a segment's
+    (``_gdn_kernel``): value rows (maps false) start from the pool in a sequence's first segment
+    (j = 0) and from zeros after it; map rows start from the identity and see zero values, their
+    outputs go to q_carried. Final states go to transitions[sid] (value rows 0 .. 127, map rows
+    128 .. 255) except a whole sequence's, which goes to the pool."""
     state_layout, out_layout, square, wide = layouts
     ctid = w * 128 + tid
     sS = storage.sS.get_tensor(state_layout.outer, swizzle=state_layout.inner)[None, None, w]
@@ -334,7 +366,17 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
         A = cute.math.exp(Float32(A_log[hv]), fastmath=True)
         if const_expr(HAS_DT_BIAS):
             bias = Float32(dt_bias[hv])
-    load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live, HAS_POOL, HAS_INIT_FLAGS)
+    if const_expr(SEGMENTED):
+        transitions, q_carried, sid, j_segment, last, maps = segment
+        load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live & (j_segment == 0) & (maps == 0),
+                   HAS_POOL, HAS_INIT_FLAGS)
+        if maps != 0:
+            rows = thr_st.partition_C(cute.make_identity_tensor((HALF, HEAD_DIM)))
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                r, c = rows[i]
+                accS[i] = cutlass.select_(w * HALF + r == c, Float32(1.0), Float32(0.0))
+    else:
+        load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live, HAS_POOL, HAS_INIT_FLAGS)
     tSsS = thr_st.partition_C(sS)
     tOsO = thr_ss.partition_C(transposed(sO))  # O^T [v, t] over the [t, v] tile
 
@@ -410,8 +452,15 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
 
             # U^T = V^T T'^T - S^T W^T and O^T = S^T Q^T, from the entering state
             warpgroup.fence()
-            gemm(mma_vt, accU, tUrV[None, None, None, v_half], tUrT, False)
-            gemm(mma_ss, accU, tUrS, tUrW, True)
+            if const_expr(SEGMENTED):
+                if maps != 0:  # map rows see zero values: U^T = -S^T W^T
+                    gemm(mma_ss, accU, tUrS, tUrW, False)
+                else:
+                    gemm(mma_vt, accU, tUrV[None, None, None, v_half], tUrT, False)
+                    gemm(mma_ss, accU, tUrS, tUrW, True)
+            else:
+                gemm(mma_vt, accU, tUrV[None, None, None, v_half], tUrT, False)
+                gemm(mma_ss, accU, tUrS, tUrW, True)
             gemm(mma_ss, accO, tUrS, tOrQ[None, None, None, stage], False)
             decay_L = sDecay[C - 1]
             warpgroup.wait_group(0)
@@ -435,12 +484,30 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             loads.consumer_release(state)
             state.advance()
 
-            finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices, checkpoint_every,
-                         num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT)
-        if const_expr(HAS_POOL):
+            if const_expr(SEGMENTED):  # no checkpoints with segments
+                if maps != 0:
+                    finish_chunk(accO, tOsO, accS, tSsS, sO, q_carried, thr_st, pool, checkpoint_indices,
+                                 checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False)
+                else:
+                    finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices,
+                                 checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False)
+            else:
+                finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices, checkpoint_every,
+                             num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT)
+        if const_expr(SEGMENTED):
+            if (j_segment == 0) & last & (maps == 0):
+                if const_expr(HAS_POOL):
+                    store_state(accS, thr_st, pool, slot, hv, w)
+            else:
+                store_state(accS, thr_st, transitions, Int64(sid), hv, w + 2 * maps)
+        elif const_expr(HAS_POOL):
             store_state(accS, thr_st, pool, slot, hv, w)
     else:
-        zero_rows(sO, out, hv, bos, length, w, tid)  # padding: zero output rows, no state
+        if const_expr(SEGMENTED):
+            if maps == 0:
+                zero_rows(sO, out, hv, bos, length, w, tid)  # padding: zero output rows, no state
+        else:
+            zero_rows(sO, out, hv, bos, length, w, tid)
 
 
 @cute.kernel
@@ -450,17 +517,29 @@ def _gdn_kernel(
     out: cute.Tensor, pool: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor,
     cu_seqlens: cute.Tensor, state_indices: cute.Tensor, has_initial_state: cute.Tensor,
     checkpoint_indices: cute.Tensor, checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32,
+    transitions: cute.Tensor, q_carried: cute.Tensor, N: Int32, segment_tokens: Int32,
     GROUP: cutlass.Constexpr[int], HV: cutlass.Constexpr[int], QK_L2NORM: cutlass.Constexpr[bool],
     GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
     HAS_SLOTS: cutlass.Constexpr[bool], HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool],
-    HAS_CKPT: cutlass.Constexpr[bool],
+    HAS_CKPT: cutlass.Constexpr[bool], SEGMENTED: cutlass.Constexpr[bool],
 ):
-    """One (sequence, value head): blockIdx.x = sequence * HV + value head (module docstring)."""
+    """One (sequence, value head): blockIdx.x = sequence * HV + value head (module docstring).
+    SEGMENTED: one (segment, value head, row group), blockIdx.x = segment id * HV + value head
+    (``cute_prefill.block_segment``), blockIdx.y = 0 for the value rows, 1 for the K map rows (a
+    sequence's first segment has none: its CTA exits)."""
     tidx = cute.arch.thread_idx()[0]
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     wg = warp // 4
-    n, hv, h, bos, length, num_chunks, slot = block_sequence(cu_seqlens, state_indices, HV, GROUP, HAS_SLOTS)
-    live = slot >= 0
+    segment = ()
+    if const_expr(SEGMENTED):
+        n, hv, h, bos, length, num_chunks, slot, sid, j_segment, last = block_segment(
+            cu_seqlens, state_indices, N, segment_tokens, HV, GROUP, HAS_SLOTS)
+        maps = Int32(cute.arch.block_idx()[1])
+        live = (slot >= 0) & ((maps == 0) | (j_segment > 0))
+        segment = (transitions, q_carried, sid, j_segment, last, maps)
+    else:
+        n, hv, h, bos, length, num_chunks, slot = block_sequence(cu_seqlens, state_indices, HV, GROUP, HAS_SLOTS)
+        live = slot >= 0
 
     tile_layout = kmajor(C, HEAD_DIM, STAGES)
     v_layout = kmajor(C, HALF, 2 * STAGES)  # stage s holds v's column halves at 2 s and 2 s + 1
@@ -507,8 +586,8 @@ def _gdn_kernel(
         cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
         _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, pool, g, beta, A_log, dt_bias,
                  has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv, bos,
-                 length, num_chunks, slot, live, (state_layout, out_layout, square, wide), QK_L2NORM, GATE,
-                 HAS_DT_BIAS, BETA_LOGITS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT)
+                 length, num_chunks, slot, live, segment, (state_layout, out_layout, square, wide), QK_L2NORM,
+                 GATE, HAS_DT_BIAS, BETA_LOGITS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT, SEGMENTED)
 
 
 @cute.jit
@@ -516,15 +595,19 @@ def _launch(
     q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, o_ptr: cute.Pointer, pool_ptr: cute.Pointer,
     g_ptr: cute.Pointer, beta_ptr: cute.Pointer, A_log_ptr: cute.Pointer, dt_bias_ptr: cute.Pointer,
     cu_ptr: cute.Pointer, indices_ptr: cute.Pointer, init_ptr: cute.Pointer, ckpt_ptr: cute.Pointer,
+    transitions_ptr: cute.Pointer, carried_ptr: cute.Pointer,
     T: Int32, N: Int32, P: Int32, num_checkpoints: Int32, checkpoint_every: Int32, checkpoint_stride: Int32,
-    scale: Float32, stream: cuda.CUstream,
+    scale: Float32, segment_tokens: Int32, stream: cuda.CUstream,
     STRIDES: cutlass.Constexpr[tuple], GATE_STRIDES: cutlass.Constexpr[tuple], H: cutlass.Constexpr[int],
     HV: cutlass.Constexpr[int], QK_L2NORM: cutlass.Constexpr[bool], GATE: cutlass.Constexpr[int],
     HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool], HAS_SLOTS: cutlass.Constexpr[bool],
     HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
+    SEGMENTED: cutlass.Constexpr[bool],
 ):
     """Views of the raw pointers, the TMA descriptors and the launch; strides are compile-time
-    (``cute_prefill.strides`` says why). GATE_STRIDES: the row and head strides of g and beta."""
+    (``cute_prefill.strides`` says why). GATE_STRIDES: the row and head strides of g and beta.
+    SEGMENTED: segments of ``segment_tokens``; transitions float32 [segment ids, HV, 256, 128] and
+    the map rows' outputs q_carried bf16 [T, HV, 128], both contiguous."""
     (tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, cu_seqlens, state_indices, has_initial_state,
      checkpoint_indices) = tensor_views(q_ptr, k_ptr, v_ptr, o_ptr, pool_ptr, cu_ptr, indices_ptr, init_ptr, ckpt_ptr,
                                         T, N, P, num_checkpoints, checkpoint_stride, STRIDES, H, HV)
@@ -533,18 +616,27 @@ def _launch(
     beta = cute.make_tensor(beta_ptr, cute.make_layout((T, HV), stride=(b_t, b_h)))
     A_log = cute.make_tensor(A_log_ptr, cute.make_layout(HV))
     dt_bias = cute.make_tensor(dt_bias_ptr, cute.make_layout(HV))
+    D = HEAD_DIM
+    ids = N  # segment ids: sequences, or at most T // segment_tokens + N segments
+    if const_expr(SEGMENTED):
+        ids = T // segment_tokens + N
+    transitions = cute.make_tensor(transitions_ptr, cute.make_layout((ids, HV, 2 * D, D),
+                                                                     stride=(HV * 2 * D * D, 2 * D * D, D, 1)))
+    q_carried = cute.make_tensor(carried_ptr, cute.make_layout((T, D, HV), stride=(HV * D, 1, D)))
     _gdn_kernel(
         tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, g, beta, A_log, dt_bias, cu_seqlens,
         state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale,
+        transitions, q_carried, N, segment_tokens,
         HV // H, HV, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS, HAS_SLOTS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
-    ).launch(grid=(N * HV, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        SEGMENTED,
+    ).launch(grid=(ids * HV, 2 if SEGMENTED else 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------
 # host side
 
 _POINTERS = ("q", "k", "v", "out", "pool", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "state_indices",
-             "has_initial_state", "checkpoint_indices")
+             "has_initial_state", "checkpoint_indices", "transitions", "q_carried")
 
 
 def unsupported(mode: str, q, k, v, out, pool) -> str | None:
@@ -555,8 +647,32 @@ def unsupported(mode: str, q, k, v, out, pool) -> str | None:
     return unsupported_rows("GDN", q, k, v, out, pool)
 
 
+def segment_length(T: int, N: int, HV: int, num_sms: int, *, checkpoints: bool = False,
+                   requested: int | None = None) -> int:
+    """Tokens per segment of this batch, 0 for none, from shapes alone (no host synchronisation).
+
+    requested: None (this rule), 0 (never) or a positive multiple of 64 (that length; not with
+    checkpoints, which segments do not write). The rule: one CTA per (sequence, value head) runs
+    a chunk in about the same time wherever it is, so a batch that leaves SMs idle is cut into
+    s segments per sequence, 2 s - 1 CTAs per head (a segment that continues a sequence also runs
+    its K map rows), as many as fit in one wave (s >= 2), where that shortens the mean sequence's
+    path by SEGMENT_MIN_SAVED_TOKENS or more."""
+    if requested is not None:
+        tokens = segments.segment_tokens(T, N, HV, HEAD_DIM, num_sms, min_tokens=C, programs_per_sm=1,
+                                         requested=requested)
+        if tokens and checkpoints:
+            raise ValueError(f"segment_tokens={requested}: the CuTe DSL GDN prefill writes no checkpoints in "
+                             "segments (give 0 or None, or the triton backend)")
+        return tokens
+    if checkpoints or not num_sms or not N:
+        return 0
+    pieces = (num_sms // (N * HV) + 1) // 2
+    tokens = -(-T // (N * max(pieces, 1) * C)) * C
+    return tokens if pieces >= 2 and T / N - tokens >= SEGMENT_MIN_SAVED_TOKENS else 0
+
+
 def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
-                checkpoint_every=None, checkpoint_indices=None):
+                checkpoint_every=None, checkpoint_indices=None, segment_tokens=None):
     """Chunked prefill of GDN over a packed varlen batch (``torch_backend.prefill`` semantics).
 
     q, k: [T, H, 128] bf16; v, out: [T, HV, 128] bf16 (rows 16-byte aligned); g: [T, HV] float32 /
@@ -564,12 +680,16 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
     bf16, in (0, 1) or logits with ``recipe.beta_logits``; state_pool [P, HV, 128, 128] float32 /
     bf16, K-last, or None; cu_seqlens int32 [N + 1]; state_indices int32 [N] (negative: padding);
     has_initial_state bool [N]; checkpoint_indices int32 [N, M] with checkpoint_every a multiple
-    of 64. Returns ``out``.
+    of 64. segment_tokens: None (``segment_length`` decides), 0 (no segments) or a multiple of 64.
+    Returns ``out``.
     """
     why = unsupported(recipe.mode, q, k, v, out, state_pool)
     if why:
         raise ValueError(why)
     ckpt = checkpoints(state_pool, checkpoint_every, checkpoint_indices)
+    T, N, HV = q.shape[0], cu_seqlens.shape[0] - 1, v.shape[1]
+    tokens = segment_length(T, N, HV, segments.sm_count(q.device), checkpoints=ckpt is not None,
+                            requested=segment_tokens)
     check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (q.shape[0], v.shape[1]):
@@ -577,13 +697,26 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
     gate = recipe.fused_gate
     A_log = None if gate is None else gate.A_log.float().contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.float().contiguous()
+    transitions = q_carried = None
+    if tokens:
+        num_ids = segments.num_segment_ids(T, N, tokens)
+        transitions = torch.empty(num_ids, HV, 2 * HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
+        q_carried = torch.empty(T, HV, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     # an absent tensor (None) is never read (its flag is off)
     tensors = (q, k, v, out, state_pool, g, beta, A_log, dt_bias, cu_seqlens, state_indices, has_initial_state,
-               ckpt)
+               ckpt, transitions, q_carried)
     scalars, constexprs = launch_arguments(recipe, q, k, v, out, cu_seqlens, state_pool, state_indices,
                                            has_initial_state, ckpt, checkpoint_every)
     constexprs += (("GATE_STRIDES", (*g.stride(), *beta.stride())),
                    ("GATE", GATE_NONE if gate is None else GATE_SOFTPLUS), ("HAS_DT_BIAS", dt_bias is not None),
-                   ("BETA_LOGITS", recipe.beta_logits))
-    launch(_launch, _POINTERS, tensors, scalars, constexprs, q.device)
+                   ("BETA_LOGITS", recipe.beta_logits), ("SEGMENTED", bool(tokens)))
+    launch(_launch, _POINTERS, tensors, (*scalars, tokens), constexprs, q.device)
+    if tokens:
+        # in-card context parallelism (kernels/common/segments.py) in one state pass: the composed
+        # initial states of the segments that continue a sequence, its final state into the pool,
+        # and their outputs' correction o0 + q~ S
+        initial = torch.empty(num_ids, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
+        segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial, tokens=tokens, V=HEAD_DIM,
+                                        final_pool=state_pool)
+        correct_segment_outputs(cu_seqlens, state_indices, q_carried, initial, out, tokens=tokens)
     return out

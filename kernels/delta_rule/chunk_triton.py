@@ -857,10 +857,11 @@ def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: 
     return dict(BV=BV, num_warps=4, num_stages=2 if one_wave else 1)
 
 
-def _segment_tokens(T, N, HV, K, V, num_sms, map_columns, requested):
-    """Segment length of the state pass (``kernels.common.segments``), 0 for none. Not with map
-    columns (the state is widened already) or where the transitions' V + K columns exceed the
-    state kernel's head dims."""
+def planned_segment_tokens(T: int, N: int, HV: int, K: int, V: int, num_sms: int, map_columns: int = 0,
+                           requested: int | None = None) -> int:
+    """Segment length of the state pass (``kernels.common.segments``), 0 for none, from shapes
+    alone. Not with map columns (the state is widened already) or where the transitions' V + K
+    columns exceed the state kernel's head dims."""
     if map_columns or V + K > MAX_HEAD_DIM:
         if requested:
             raise ValueError(f"segment_tokens: not with map_columns or V + K > {MAX_HEAD_DIM} (K={K}, V={V})")
@@ -911,7 +912,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         raise ValueError(f"checkpoint_every={checkpoint_every}: must be a multiple of {C}")
     device = q.device
     num_sms = segments.sm_count(device)
-    tokens = _segment_tokens(T, N, HV, K, V, num_sms, map_columns, segment_tokens)  # validates before any launch
+    tokens = planned_segment_tokens(T, N, HV, K, V, num_sms, map_columns, segment_tokens)  # validates first
     per_channel = recipe.mode == "kda"
     BK = max(triton.next_power_of_2(K), 16)
     prec = precisions(q.dtype)

@@ -6,7 +6,8 @@ padding row, permuted NaN-poisoned slots and has_initial_state mixes, with and w
 k); both pool dtypes; a sequence of several thousand tokens; many short and empty sequences;
 checkpoints; grouped value heads; no pool and dense initial states; a capture in a CUDA graph
 replayed with new inputs; which calls automatic dispatch gives them. Lightning also: strided
-views of a fused projection, a packed batch past 2^31 elements.
+views of a fused projection, a packed batch past 2^31 elements. GDN also: in-card segments,
+forced short and by the automatic rule, with and without a pool, under CUDA-graph replay.
 
 Run with ``pytest -m gpu tests/gpu``; skipped where the cute backend is unavailable.
 """
@@ -162,6 +163,79 @@ def test_cuda_graph_prefill(mode):
     assert_graph_replay_matches_eager(mode, CUTE, seed=16)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32pool", "bf16pool"])
+@pytest.mark.parametrize("tokens", [64, 128])
+def test_gdn_segments(state_dtype, tokens):
+    """GDN's in-card segments forced at small lengths (``segment_tokens``): the varlen batch plus
+    an empty sequence without an initial state (its slot gets zeros), cut into segments of 64 or
+    128 tokens, each segment's value rows and K map rows on their own CTAs, then composed and
+    the outputs corrected (``chunk_cute.gdn_prefill``)."""
+    lens, slots, has_init = LENS + [0], SLOTS + [12], HAS_INIT + [False]
+    kw = _inputs("gdn", sum(lens), seed=30)
+    pool = poisoned_pool("gdn", state_dtype, _live(slots, has_init), seed=31)
+    o, ref_o, ref_pool = prefill_and_oracle("gdn", kw, pool, dict(CUTE, segment_tokens=tokens),
+                                            **varlen_call(lens, slots, has_init))
+    tol = tolerance(torch.bfloat16, state_dtype)
+    assert_close(o, ref_o, tol)
+    assert (o[sum(lens[:3]):sum(lens[:4])] == 0).all()
+    assert_same_writes(pool, ref_pool, tol)
+    assert not torch.isnan(pool[12]).any()
+
+
+def test_gdn_segments_automatic_long_sequence():
+    """One 4500-token sequence at 32 heads: the rule cuts it (two segments, three CTAs a head);
+    outputs and final state against the oracle, and the same as with segments forced off up to
+    bf16 rounding."""
+    from cula_serve.kernels.common.segments import sm_count
+    from cula_serve.kernels.delta_rule.chunk_cute import segment_length
+
+    T = 4500
+    assert segment_length(T, 1, SHAPES["gdn"]["HV"], sm_count(torch.device(DEVICE))) > 0
+    kw = _inputs("gdn", T, seed=32)
+    pool = poisoned_pool("gdn", torch.float32, [3], seed=33)
+    whole = pool.clone()
+    o, ref_o, ref_pool = _run("gdn", kw, pool, **varlen_call([T], [3], [True]))
+    assert_close(o, ref_o, 5e-3)
+    assert_same_writes(pool, ref_pool, 5e-3, "final state")
+    o_whole, _ = prefill_call("gdn", kw, state_pool=whole, segment_tokens=0, **varlen_call([T], [3], [True]), **CUTE)
+    assert_close(o, o_whole.double(), 5e-3)
+
+
+def test_gdn_segments_without_pool():
+    """Segments without a pool (zero initial states, nothing written) and with dense states."""
+    lens = [200, 1, 64]
+    kw = _inputs("gdn", sum(lens), seed=34)
+    o, ref_o, _ = prefill_and_oracle("gdn", kw, None, dict(CUTE, segment_tokens=64), cu_seqlens=cu(lens))
+    assert_close(o, ref_o, 5e-3)
+    s = SHAPES["gdn"]
+    initial = torch.randn(len(lens), s["HV"], s["V"], s["K"], generator=torch.Generator(DEVICE).manual_seed(35),
+                          device=DEVICE)
+    o, final = prefill_call("gdn", kw, cu_seqlens=cu(lens), initial_state=initial, output_final_state=True,
+                            segment_tokens=64, **CUTE)
+    ref_o, ref_final = prefill_call("gdn", to_float64(kw), cu_seqlens=cu(lens), initial_state=initial.double(),
+                                    output_final_state=True, **ORACLE)
+    assert_close(o, ref_o, 5e-3)
+    assert_close(final, ref_final, 5e-3, "final states")
+
+
+def test_gdn_segments_refuse_checkpoints():
+    """Segments write no checkpoints: asking for both names ``segment_tokens`` and writes nothing."""
+    kw = _inputs("gdn", 256, seed=36)
+    pool = poisoned_pool("gdn", torch.float32, [], seed=37)
+    out = torch.full((256, SHAPES["gdn"]["HV"], SHAPES["gdn"]["V"]), float("nan"), dtype=torch.bfloat16,
+                     device=DEVICE)
+    with pytest.raises(ValueError, match="segment_tokens"):
+        prefill_call("gdn", kw, state_pool=pool, out=out, checkpoint_every=64,
+                     checkpoint_indices=torch.tensor([[1, 2, 3, 4]], dtype=torch.int32, device=DEVICE),
+                     segment_tokens=64, **varlen_call([256], [0], [False]), **CUTE)
+    assert torch.isnan(pool).all() and torch.isnan(out).all()
+
+
+def test_gdn_segments_cuda_graph():
+    """Segmented GDN captured once and replayed with new lengths (other segment counts)."""
+    assert_graph_replay_matches_eager("gdn", dict(CUTE, segment_tokens=128), seed=38)
+
+
 def _picked(monkeypatch, run=cula_lightning, **call_args):
     """The backend automatic dispatch runs a prefill on: "cute" if its prefill was called."""
     from cula_serve.kernels.backends import cute_backend
@@ -176,9 +250,9 @@ def _picked(monkeypatch, run=cula_lightning, **call_args):
 def test_automatic_dispatch(monkeypatch):
     """bf16 rows at K = V = 128 run on the CuTe DSL kernels (Lightning, GDN; KDA has none);
     float32 inputs, unaligned rows, other head dims, and batches whose CTAs would fill few SMs
-    (Lightning: where Triton cuts them into segments, one long sequence at 16 heads; GDN: one
-    sequence at 32 heads) go to the triton backend; a named cute backend refuses what it cannot
-    run and writes nothing."""
+    where Triton cuts them into segments and the CuTe DSL kernel does not (Lightning: one long
+    sequence at 16 heads; GDN: one long sequence with checkpoints) go to the triton backend; a
+    named cute backend refuses what it cannot run and writes nothing."""
     s = SHAPES[MODE]
     gen = torch.Generator(device=DEVICE).manual_seed(19)
 
@@ -202,7 +276,13 @@ def test_automatic_dispatch(monkeypatch):
     gdn = _inputs("gdn", 512, seed=20)
     gdn_call = dict(gdn, cu_seqlens=cu([500, 12]))
     assert _picked(monkeypatch, cula_gdn, **gdn_call) == "cute"  # 2 x 32 CTAs
-    assert _picked(monkeypatch, cula_gdn, **dict(gdn, cu_seqlens=cu([512]))) == "other"  # 32 CTAs: Triton's V tiles
+    assert _picked(monkeypatch, cula_gdn, **dict(gdn, cu_seqlens=cu([512]))) == "cute"  # too short to cut, for both
+    long_gdn = dict(_inputs("gdn", 8192, seed=22), cu_seqlens=cu([8192]))
+    assert _picked(monkeypatch, cula_gdn, **long_gdn) == "cute"  # 2 segments
+    with_checkpoints = dict(long_gdn, state_pool=poisoned_pool("gdn", torch.float32, [0], seed=23, size=1),
+                            state_indices=torch.zeros(1, dtype=torch.int32, device=DEVICE), checkpoint_every=64,
+                            checkpoint_indices=torch.full((1, 128), -1, dtype=torch.int32, device=DEVICE))
+    assert _picked(monkeypatch, cula_gdn, **with_checkpoints) == "other"  # segments write no checkpoints
     kda = inputs("kda", 512, torch.bfloat16, seed=21)
     assert _picked(monkeypatch, lambda **kw: prefill_call("kda", kw), **kda) == "other"
 
