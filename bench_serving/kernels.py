@@ -8,7 +8,9 @@ and decode, on the pool), FlashQLA (prefill) and vLLM's serving decode kernel (d
 pool). Prefill reports ns per token-head, decode TB/s of state traffic (one read and one write
 of every live state); both report the ratio to FLA measured in this process. Decode is timed as
 CUDA-graph replay, as engines run it (a contender that cannot be captured is timed eagerly and
-marked so); prefill eagerly.
+marked so); prefill eagerly, as engines run it, and also as CUDA-graph replay where the contender
+can be captured ("graph": the device time without the host's launch work, which dominates small
+prefills).
 """
 from __future__ import annotations
 
@@ -147,7 +149,14 @@ def run_case(case: Case, device, versions, generator):
             continue
         row.update(status="ok", ms=ms)
         if case.op == "prefill":
-            row["ns_per_token_head"] = ms * 1e6 / (sum(case.seqlens) * case.HV)
+            token_heads = sum(case.seqlens) * case.HV
+            row["ns_per_token_head"] = ms * 1e6 / token_heads
+            if device.type == "cuda":
+                if work is not None:
+                    work.copy_(start_states)
+                graph_ms = time_graph(run, device)
+                if graph_ms is not None:
+                    row.update(graph_ms=graph_ms, graph_ns_per_token_head=graph_ms * 1e6 / token_heads)
         else:
             row["TBps"] = _state_bytes(case, pool) / (ms * 1e-3) / 1e12
         rows.append(row)
@@ -169,8 +178,9 @@ def _print_rows(rows):
         metric = (f"{r['ns_per_token_head']:8.3f} ns/tok-head" if "ns_per_token_head" in r
                   else f"{r['TBps']:8.3f} TB/s       ")
         ratio = f"{r['speedup_vs_fla']:6.2f}x FLA" if "speedup_vs_fla" in r else ""
+        graph = f" graph {r['graph_ns_per_token_head']:.3f}" if "graph_ns_per_token_head" in r else ""
         print(f"{r['case']:38s} {r['backend']:12s} {r['ms']:9.4f} ms {metric} {ratio:11s} {r['timing']:6s} "
-              f"(err {r['rel_err']:.1e})",
+              f"(err {r['rel_err']:.1e}){graph}",
               flush=True)
 
 
