@@ -91,16 +91,31 @@ def test_long_sequence(mode, state_tol):
 @MODES
 def test_many_short_and_empty_sequences(mode):
     """256 sequences of 0 to 40 tokens: every CTA ends inside its first chunk, or has none."""
+    _assert_many_short_sequences(mode, CUTE)
+
+
+def test_gdn_segments_many_short_sequences():
+    """The same batch in forced 64-token segments, its last sequence 300 tokens long (five
+    segments): every CTA walks the sequences before its segment (``cute_prefill.block_segment``),
+    an empty one counting one segment, and the composition and the output correction must count
+    them alike to find the long sequence's segments."""
+    _assert_many_short_sequences("gdn", dict(CUTE, segment_tokens=64), last=300)
+
+
+def _assert_many_short_sequences(mode, backend, last=None):
     gen = torch.Generator().manual_seed(5)
     N = 256
     lens = torch.randint(0, 41, (N,), generator=gen).tolist()
     lens[:3] = [0, 40, 0]
+    if last is not None:
+        lens[-1] = last
     slots = torch.randperm(N + 64, generator=gen)[:N]
     slots[::7] = -1
     has_init = torch.rand(N, generator=gen) < 0.8
     kw = _inputs(mode, sum(lens), seed=6)
     pool = poisoned_pool(mode, torch.float32, slots[(slots >= 0) & has_init].tolist(), seed=7, size=N + 64)
-    o, ref_o, ref_pool = _run(mode, kw, pool, **varlen_call(lens, slots.tolist(), has_init.tolist()))
+    o, ref_o, ref_pool = prefill_and_oracle(mode, kw, pool, backend,
+                                            **varlen_call(lens, slots.tolist(), has_init.tolist()))
     assert_close(o, ref_o, 5e-3)
     assert_same_writes(pool, ref_pool, 5e-3)
 
