@@ -198,8 +198,8 @@ def block_segment(cu_seqlens: cute.Tensor, state_indices: cute.Tensor, N: Int32,
     hv, h, bos, length, num_chunks, slot, sid, j, last): bos and length the segment's, j its index
     in the sequence, last whether it ends it. An id past the last segment gets length 0 and slot -1.
 
-    Each CTA walks the sequences before its own (one load each, the few sequences of a batch
-    that is cut into segments)."""
+    Each CTA walks all N sequences (two loads each): the automatic rule cuts only batches of a
+    few sequences (``delta_rule.chunk_cute.segment_length``)."""
     bid = cute.arch.block_idx()[0]
     sid = bid // HV
     hv = bid % HV
