@@ -83,13 +83,13 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
 
     Prefill where the CuTe DSL kernel's CTAs (one per sequence and value head) would fill less
     than ``PREFILL_MIN_SM_SHARE`` of the SMs, the Triton kernel cuts the batch into segments and
-    ours does not (Lightning never; GDN with checkpoints or where ``chunk_cute.segment_length``
-    finds it not worth it): a TP4 shard's 16 Lightning heads on one 8192-token sequence, 2.90
+    ours does not (Lightning never; GDN with checkpoints or where
+    ``segments.one_pass_segment_tokens`` finds it not worth it): a TP4 shard's 16 Lightning heads on one 8192-token sequence, 2.90
     against 1.15 ns per token-head on an H100."""
     if operation == "decode" and N * HV < 2048:
         return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
     if operation == "prefill":
-        from ..common.segments import sm_count
+        from ..common.segments import one_pass_segment_tokens, sm_count
         from ..delta_rule.chunk_triton import planned_segment_tokens as delta_segments
         from ..lightning.chunk_triton import planned_segment_tokens as lightning_segments
         device = tensors[0].device
@@ -99,7 +99,7 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
             triton_segments, ours = lightning_segments(T, N, HV, D, device), 0
         else:
             triton_segments = delta_segments(T, N, HV, D, D, sms)
-            ours = delta_chunk_cute.segment_length(T, N, HV, sms, checkpoints=checkpoints)
+            ours = one_pass_segment_tokens(T, N, HV, sms, checkpoints=checkpoints)
         if N * HV < PREFILL_MIN_SM_SHARE * sms and triton_segments and not ours:
             return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel spreads it "
                     "over more, in parallel")
@@ -114,7 +114,7 @@ def _no_options(operation: str, kwargs: dict):
 def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
             checkpoint_every=None, checkpoint_indices=None, **kwargs):
     """Chunked prefill of a packed varlen batch (GDN and Lightning); arguments as for the torch
-    backend's ``prefill``, plus ``segment_tokens`` for GDN (``chunk_cute.segment_length``).
+    backend's ``prefill``, plus ``segment_tokens`` for GDN (``segments.one_pass_segment_tokens``).
     Raises ValueError for calls it cannot run (``call_error``)."""
     common = dict(cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices,
                   has_initial_state=has_initial_state, out=out, checkpoint_every=checkpoint_every,

@@ -199,7 +199,7 @@ def block_segment(cu_seqlens: cute.Tensor, state_indices: cute.Tensor, N: Int32,
     in the sequence, last whether it ends it. An id past the last segment gets length 0 and slot -1.
 
     Each CTA walks all N sequences (two loads each): the automatic rule cuts only batches of a
-    few sequences (``delta_rule.chunk_cute.segment_length``)."""
+    few sequences (``segments.one_pass_segment_tokens``)."""
     bid = cute.arch.block_idx()[0]
     sid = bid // HV
     hv = bid % HV

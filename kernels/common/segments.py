@@ -33,7 +33,7 @@ The CuTe DSL GDN prefill (``kernels/delta_rule/chunk_cute.py``) needs no third l
 state pass computes every segment's transition and outputs together, from zeros (value rows) and
 the identity (map rows, whose outputs are the carried queries q~); composition then also writes
 the final states (``final_pool``) and ``affine_output.correct_segment_outputs`` adds q~ S to the
-outputs of the segments that continue a sequence.
+outputs of the segments that continue a sequence. ``one_pass_segment_tokens`` is its rule.
 
 Segments are ``segment_tokens`` long (a multiple of the chunk size, so chunk boundaries and
 checkpoints fall where they fall without segments), the last one of a sequence shorter; an empty
@@ -92,6 +92,39 @@ def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_s
     tokens = max(triton.cdiv(triton.cdiv(num_tokens, segments), CHUNK_SIZE) * CHUNK_SIZE, min_tokens)
     long_enough = num_tokens >= num_seqs * max(MIN_SEQUENCE_TOKENS, 2 * tokens)
     return tokens if long_enough else 0
+
+
+# The one-pass scheme (the CuTe DSL GDN prefill, module docstring) cuts a batch only where its
+# longest CTA gets this many tokens shorter: 32 chunks, about 260 us of an H100, against the host
+# work of the two more launches (H100, eager, 32 heads: 1 x 2048 in two segments 0.686 ms against
+# 0.272 unsegmented; a TP4 shard of 8 heads, 1 x 8192 in eight, 0.503 against 0.97)
+ONE_PASS_MIN_SAVED_TOKENS = 2048
+
+
+def one_pass_segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, num_sms: int, *,
+                            checkpoints: bool = False, requested: int | None = None) -> int:
+    """Tokens per segment of the one-pass scheme, 0 for none, from shapes alone (no host
+    synchronisation).
+
+    requested: None (this rule), 0 (never) or a positive multiple of the chunk size (that length;
+    not with checkpoints, which the one-pass segments do not write). The rule: one CTA per
+    (sequence, value head) runs a chunk in about the same time wherever it is, so a batch that
+    leaves SMs idle is cut into s segments per sequence, 2 s - 1 CTAs per head (a segment that
+    continues a sequence also runs its K map rows), as many as fit in one wave (s >= 2), where
+    that shortens the mean sequence's path by ONE_PASS_MIN_SAVED_TOKENS or more."""
+    if requested is not None:
+        tokens = segment_tokens(num_tokens, num_seqs, num_heads, 0, num_sms, min_tokens=CHUNK_SIZE,
+                                programs_per_sm=1, requested=requested)
+        if tokens and checkpoints:
+            raise ValueError(f"segment_tokens={requested}: one-pass segments (the CuTe DSL GDN prefill) write no "
+                             "checkpoints (give 0 or None, or the triton backend)")
+        return tokens
+    if checkpoints or not num_sms or not num_seqs:
+        return 0
+    pieces = (num_sms // (num_seqs * num_heads) + 1) // 2
+    tokens = triton.cdiv(num_tokens, num_seqs * max(pieces, 1) * CHUNK_SIZE) * CHUNK_SIZE
+    saved = num_tokens / num_seqs - tokens
+    return tokens if pieces >= 2 and saved >= ONE_PASS_MIN_SAVED_TOKENS else 0
 
 
 def num_segment_ids(num_tokens: int, num_seqs: int, tokens: int) -> int:

@@ -44,7 +44,7 @@ overlapping one chunk's solve with the previous chunk's chain (warp specialisati
 them; shared memory is full at 2 stages).
 
 Segments (in-card context parallelism, ``kernels/common/segments.py``): one sequence is only HV
-CTAs, so a batch that leaves SMs idle is cut into segments of ``segment_length`` tokens that run
+CTAs, so a batch that leaves SMs idle is cut into segments (``segments.one_pass_segment_tokens``) that run
 side by side, in one state pass (the Triton kernel recomputes its segments in a second one):
 - a sequence's first segment runs its value rows from the pool state as above;
 - every later segment runs twice, on two CTAs: its value rows from zeros (outputs o0, final
@@ -90,11 +90,6 @@ BLOCK = 16  # rows of the triangular solve's diagonal blocks
 # accumulator's stores into A were 8-way conflicts, T's row reads by quarter rows as well)
 ROW_STRIDE = C + 8
 CONSUMER_REGS = 240
-# ``segment_length`` cuts a batch only where its longest CTA gets this many tokens shorter: 32
-# chunks, about 260 us of an H100, against the host work of the two more launches and the
-# composition (H100, eager, 32 heads: 1 x 2048 in two segments 0.686 ms against 0.272 unsegmented;
-# a TP4 shard of 8 heads, 1 x 8192 in eight, 0.503 against 0.97)
-SEGMENT_MIN_SAVED_TOKENS = 2048
 ALL = 3  # named barrier of both consumer warpgroups (0 is the CTA's, 1 and 2 each consumer's)
 
 
@@ -647,30 +642,6 @@ def unsupported(mode: str, q, k, v, out, pool) -> str | None:
     return unsupported_rows("GDN", q, k, v, out, pool)
 
 
-def segment_length(T: int, N: int, HV: int, num_sms: int, *, checkpoints: bool = False,
-                   requested: int | None = None) -> int:
-    """Tokens per segment of this batch, 0 for none, from shapes alone (no host synchronisation).
-
-    requested: None (this rule), 0 (never) or a positive multiple of 64 (that length; not with
-    checkpoints, which segments do not write). The rule: one CTA per (sequence, value head) runs
-    a chunk in about the same time wherever it is, so a batch that leaves SMs idle is cut into
-    s segments per sequence, 2 s - 1 CTAs per head (a segment that continues a sequence also runs
-    its K map rows), as many as fit in one wave (s >= 2), where that shortens the mean sequence's
-    path by SEGMENT_MIN_SAVED_TOKENS or more."""
-    if requested is not None:
-        tokens = segments.segment_tokens(T, N, HV, HEAD_DIM, num_sms, min_tokens=C, programs_per_sm=1,
-                                         requested=requested)
-        if tokens and checkpoints:
-            raise ValueError(f"segment_tokens={requested}: the CuTe DSL GDN prefill writes no checkpoints in "
-                             "segments (give 0 or None, or the triton backend)")
-        return tokens
-    if checkpoints or not num_sms or not N:
-        return 0
-    pieces = (num_sms // (N * HV) + 1) // 2
-    tokens = -(-T // (N * max(pieces, 1) * C)) * C
-    return tokens if pieces >= 2 and T / N - tokens >= SEGMENT_MIN_SAVED_TOKENS else 0
-
-
 def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
                 checkpoint_every=None, checkpoint_indices=None, segment_tokens=None):
     """Chunked prefill of GDN over a packed varlen batch (``torch_backend.prefill`` semantics).
@@ -680,7 +651,8 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
     bf16, in (0, 1) or logits with ``recipe.beta_logits``; state_pool [P, HV, 128, 128] float32 /
     bf16, K-last, or None; cu_seqlens int32 [N + 1]; state_indices int32 [N] (negative: padding);
     has_initial_state bool [N]; checkpoint_indices int32 [N, M] with checkpoint_every a multiple
-    of 64. segment_tokens: None (``segment_length`` decides), 0 (no segments) or a multiple of 64.
+    of 64. segment_tokens: None (``segments.one_pass_segment_tokens`` decides), 0 (no segments) or a
+    multiple of 64.
     Returns ``out``.
     """
     why = unsupported(recipe.mode, q, k, v, out, state_pool)
@@ -688,8 +660,8 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
         raise ValueError(why)
     ckpt = checkpoints(state_pool, checkpoint_every, checkpoint_indices)
     T, N, HV = q.shape[0], cu_seqlens.shape[0] - 1, v.shape[1]
-    tokens = segment_length(T, N, HV, segments.sm_count(q.device), checkpoints=ckpt is not None,
-                            requested=segment_tokens)
+    tokens = segments.one_pass_segment_tokens(T, N, HV, segments.sm_count(q.device), checkpoints=ckpt is not None,
+                                              requested=segment_tokens)
     check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (q.shape[0], v.shape[1]):

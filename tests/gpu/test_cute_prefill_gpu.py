@@ -201,11 +201,10 @@ def test_gdn_segments_automatic_long_sequence():
     """One 4500-token sequence at 32 heads: the rule cuts it (two segments, three CTAs a head);
     outputs and final state against the oracle, and the same as with segments forced off up to
     bf16 rounding."""
-    from cula_serve.kernels.common.segments import sm_count
-    from cula_serve.kernels.delta_rule.chunk_cute import segment_length
+    from cula_serve.kernels.common.segments import one_pass_segment_tokens, sm_count
 
     T = 4500
-    assert segment_length(T, 1, SHAPES["gdn"]["HV"], sm_count(torch.device(DEVICE))) > 0
+    assert one_pass_segment_tokens(T, 1, SHAPES["gdn"]["HV"], sm_count(torch.device(DEVICE))) > 0
     kw = _inputs("gdn", T, seed=32)
     pool = poisoned_pool("gdn", torch.float32, [3], seed=33)
     whole = pool.clone()
