@@ -62,6 +62,14 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
+def requested_segment_tokens(requested) -> int:
+    """A caller's ``segment_tokens``: 0 (never) or a positive multiple of the chunk size, checked."""
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0 or requested % CHUNK_SIZE:
+        raise ValueError(f"segment_tokens: expected 0 (no segments) or a positive multiple of {CHUNK_SIZE}, "
+                         f"got {requested!r}")
+    return requested
+
+
 def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_sms: int, *, min_tokens: int,
                    programs_per_sm: int, requested: int | None = None) -> int:
     """Tokens per segment, or 0 for no segments, from shapes alone (no host synchronisation).
@@ -81,10 +89,7 @@ def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_s
     eager, the same device time plus two launches of host work).
     """
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0 or requested % CHUNK_SIZE:
-            raise ValueError(f"segment_tokens: expected 0 (no segments) or a positive multiple of {CHUNK_SIZE}, "
-                             f"got {requested!r}")
-        return requested
+        return requested_segment_tokens(requested)
     per_segment = num_heads * triton.cdiv(V, 64)
     if not num_sms or num_seqs * per_segment >= num_sms:
         return 0
@@ -113,8 +118,7 @@ def one_pass_segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, num_
     continues a sequence also runs its K map rows), as many as fit in one wave (s >= 2), where
     that shortens the mean sequence's path by ONE_PASS_MIN_SAVED_TOKENS or more."""
     if requested is not None:
-        tokens = segment_tokens(num_tokens, num_seqs, num_heads, 0, num_sms, min_tokens=CHUNK_SIZE,
-                                programs_per_sm=1, requested=requested)
+        tokens = requested_segment_tokens(requested)
         if tokens and checkpoints:
             raise ValueError(f"segment_tokens={requested}: one-pass segments (the CuTe DSL GDN prefill) write no "
                              "checkpoints (give 0 or None, or the triton backend)")
