@@ -5,7 +5,10 @@ Each step is captured once and replayed with L2 flushed before every replay (sta
 HBM, as they do in a model with dozens of layers). verify + commit is captured as one graph, with
 every sequence accepting all T tokens (the most state a commit can move). The ratio column is
 (verify + commit) over one decode step of the same batch: the deferred protocol should cost about
-one decode step (DESIGN section 4), the buffer and slots protocols write T states. The "copy
+one decode step (DESIGN section 4), the buffer and slots protocols write T states. The "pending"
+rows are the deferred protocol's steady state: one ``cula_verify(..., pending=...)`` call that
+commits the previous verify's T tokens and verifies T new ones (one kernel on the cute backend,
+a commit and a verify on the others). The "copy
 ceiling" row copies a decode step's state bytes under the same replay (``copy_ceiling.py``): what
 the bandwidth targets are measured against.
 
@@ -78,6 +81,12 @@ def _cula_step(mode, kw, pool, slots, columns, T, protocol, backend=None):
         HV, V, K = pool.shape[1:]
         extra["intermediate_states"] = torch.zeros(B, T, HV, V, K, dtype=pool.dtype, device=pool.device)
     accepted = torch.full((B,), T, dtype=torch.int32, device=pool.device)
+    if protocol == "pending":
+        # the steady state of the deferred protocol: each verify commits the previous one first
+        _, pending = cula_verify(**qkv, state_pool=pool, mode=mode, protocol="deferred", backend=backend, **extra,
+                                 **rest)
+        return lambda: cula_verify(**qkv, state_pool=pool, mode=mode, pending=pending, num_accepted_tokens=accepted,
+                                   backend=backend, **rest)[0]
 
     def run():
         o, pending = cula_verify(**qkv, state_pool=pool, mode=mode, protocol=protocol, backend=backend, **extra,
@@ -241,7 +250,7 @@ def main(args) -> int:
                     kw, pool, slots, columns = _inputs(mode, shape, B, T, state_dtype, device, generator)
                     cula_ms = {}
                     for name in backends:
-                        for protocol in PROTOCOLS:
+                        for protocol in PROTOCOLS + ("pending",):
                             ms = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, T, protocol, name), device)
                             if name == backends[0]:
                                 cula_ms[protocol] = ms

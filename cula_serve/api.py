@@ -22,7 +22,10 @@ MTP protocols (``cula_verify(..., protocol=...)``), for N sequences verifying T 
   optionally copies column ``num_accepted_tokens[n] - 1`` to column 0.
 - ``"deferred"`` (fewest bytes): verify reads each state once and writes nothing;
   ``cula_commit`` replays the accepted tokens onto the slot in one read-modify-write. The
-  tensors given to verify must stay unchanged until the commit.
+  tensors given to verify must stay unchanged until the commit. In an engine's steady state the
+  commit goes into the next verify instead: ``cula_verify(..., pending=previous,
+  num_accepted_tokens=accepted)`` commits and then verifies, one kernel on the cute backend (and
+  on the Triton one for GDN / KDA) that reads and writes each state once, a decode step's bytes.
 
 Example (deferred, GDN, 3 sequences verifying 4 draft tokens)::
 
@@ -30,6 +33,11 @@ Example (deferred, GDN, 3 sequences verifying 4 draft tokens)::
                              protocol="deferred")          # q, k [3, 4, H, K]; o [3, 4, HV, V]
     accepted = torch.tensor([4, 1, 2], dtype=torch.int32)  # from the sampler
     cula_commit(pending, accepted)                          # pool[slots[n]] = state after accepted[n] tokens
+
+or, step after step, the commit inside the next verify (the same rows and slots)::
+
+    o, pending = cula_verify(q, k, v, pool, mode="gdn", g=g, beta=beta, state_indices=slots,
+                             pending=pending, num_accepted_tokens=accepted)
 """
 from __future__ import annotations
 
@@ -443,9 +451,9 @@ def cula_decode(q, k, v, state_pool, *, mode="gdn", g=None, beta=None, decay=Non
 
 def cula_verify(q, k, v, state_pool, *, mode="gdn", g=None, beta=None, decay=None, state_indices=None,
                 protocol="deferred", num_accepted_tokens=None, intermediate_states=None,
-                intermediate_indices=None, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid_in_kernel=False, out=None,
-                backend=None, **kwargs):
+                intermediate_indices=None, pending=None, scale=None, use_qk_l2norm_in_kernel=False,
+                use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+                use_beta_sigmoid_in_kernel=False, out=None, backend=None, **kwargs):
     """MTP / speculative verify: T tokens per sequence, an output for every token.
 
     Args:
@@ -455,13 +463,23 @@ def cula_verify(q, k, v, state_pool, *, mode="gdn", g=None, beta=None, decay=Non
         protocol: "buffer", "slots" or "deferred" (see the module docstring).
         state_indices: int32 / int64 [N] ("buffer", "deferred") or [N, T_cols] with T_cols >= T
             ("slots"); a negative read slot marks a padding row (zero output, nothing written).
-        num_accepted_tokens: "slots" only: int [N], 1..T_cols, tokens accepted in the previous step
-            (the initial state is read from column num_accepted_tokens[n] - 1).
+            With ``pending``: None (the pending verify's) or the same values.
+        num_accepted_tokens: "slots": int [N], 1..T_cols, tokens accepted in the previous step
+            (the initial state is read from column num_accepted_tokens[n] - 1). "deferred" with
+            ``pending``: int [N], 0..the pending verify's T, the tokens of it to commit first.
         intermediate_states: "buffer" only: [R, T_buf, HV, V, K] (T_buf >= T), pool dtype.
         intermediate_indices: "buffer" only: int [N], row of the buffer per sequence (None: row n).
+        pending: "deferred" only: the previous step's uncommitted deferred verify of the same rows
+            (same pool, N and slots). Its accepted tokens are committed first, then these T tokens
+            are verified from the committed states: the same result as ``cula_commit(pending,
+            num_accepted_tokens)`` followed by this verify, and on the cute backend one kernel
+            that reads and writes each state once (an engine's steady state: one launch per step
+            instead of a commit and a verify). Rows that change slots between steps need the
+            separate ``cula_commit``.
         out: preallocated [N, T, HV, V] in v's dtype.
 
-    Returns (o [N, T, HV, V], pending): pass ``pending`` to ``cula_commit`` with the accepted counts.
+    Returns (o [N, T, HV, V], pending): pass ``pending`` to ``cula_commit`` with the accepted counts
+    (or to the next step's ``cula_verify``).
     """
     lead, HV, V, recipe, g, beta, out, module = _multi_token(
         "verify", q, k, v, state_pool, mode=mode, g=g, beta=beta, decay=decay, scale=scale,
@@ -474,8 +492,10 @@ def cula_verify(q, k, v, state_pool, *, mode="gdn", g=None, beta=None, decay=Non
     P = state_pool.shape[0]
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol: expected one of {PROTOCOLS}, got {protocol!r}")
-    if protocol != "slots" and num_accepted_tokens is not None:
-        raise ValueError("num_accepted_tokens: only used by the slots protocol at verify time")
+    if pending is not None:
+        state_indices = _check_pending(pending, protocol, mode, state_pool, state_indices, num_accepted_tokens, N)
+    elif protocol != "slots" and num_accepted_tokens is not None:
+        raise ValueError("num_accepted_tokens: used at verify time by the slots protocol, or with pending=")
     if protocol != "buffer" and (intermediate_states is not None or intermediate_indices is not None):
         raise ValueError("intermediate_states / intermediate_indices: only used by the buffer protocol")
     if protocol == "slots":
@@ -511,17 +531,55 @@ def cula_verify(q, k, v, state_pool, *, mode="gdn", g=None, beta=None, decay=Non
             live = state_indices >= 0
             check_slots("intermediate_indices", intermediate_indices[live], intermediate_states.shape[0],
                         allow_padding=False)
+        if pending is not None:
+            check_range("num_accepted_tokens", num_accepted_tokens, 0, pending.num_tokens)
+            if not torch.equal(_int32(state_indices), pending.state_indices):
+                raise ValueError("state_indices: a verify with pending= must keep the pending verify's slots "
+                                 "(commit rows that change slots with cula_commit first)")
     state_indices, intermediate_indices = _int32(state_indices), _int32(intermediate_indices)
-    saved = module.verify(recipe, q, k, v, g, beta, protocol=protocol, state_pool=state_pool,
-                          state_indices=state_indices, num_accepted_tokens=_int32(num_accepted_tokens),
-                          intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
-                          out=out, **kwargs)
+    if pending is not None and not (hasattr(module, "commit_verify") and module.fuses_commit(pending, recipe, g)):
+        cula_commit(pending, num_accepted_tokens)  # every check above has passed: nothing fails after it
+        pending = None
+    if pending is not None:
+        saved = module.commit_verify(recipe, q, k, v, g, beta, pending=pending,
+                                     num_accepted_tokens=_int32(num_accepted_tokens), state_pool=state_pool,
+                                     state_indices=state_indices, out=out, **kwargs)
+    else:
+        saved = module.verify(recipe, q, k, v, g, beta, protocol=protocol, state_pool=state_pool,
+                              state_indices=state_indices,
+                              num_accepted_tokens=_int32(num_accepted_tokens) if protocol == "slots" else None,
+                              intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
+                              out=out, **kwargs)
     deferred = protocol == "deferred"
     pending = PendingCommit(protocol, recipe, module.NAME, T, state_pool, state_indices,
                             intermediate_states, intermediate_indices,
                             k if deferred else None, v if deferred else None,
                             g if deferred else None, beta if deferred else None, saved)
     return out, pending
+
+
+def _check_pending(pending, protocol, mode, state_pool, state_indices, num_accepted_tokens, N):
+    """Checks of a verify's ``pending=`` (a deferred verify to commit first); returns the slots
+    to use (the pending verify's when ``state_indices`` is None). Values are compared later, with
+    the other value checks."""
+    if not isinstance(pending, PendingCommit):
+        raise TypeError(f"pending: expected the PendingCommit returned by cula_verify, got {type(pending).__name__}")
+    if protocol != "deferred" or pending.protocol != "deferred":
+        raise ValueError(f"pending: only a deferred verify commits a pending deferred verify first "
+                         f"(protocol={protocol!r}, pending protocol={pending.protocol!r})")
+    if pending.recipe.mode != mode:
+        raise ValueError(f"pending: a {pending.recipe.mode} verify cannot be committed by a {mode} verify")
+    if (pending.state_pool.data_ptr() != state_pool.data_ptr() or pending.state_pool.shape != state_pool.shape
+            or pending.state_pool.dtype != state_pool.dtype):
+        raise ValueError("pending: its verify ran on another state_pool")
+    if pending.state_indices.shape[0] != N:
+        raise ValueError(f"pending: its verify had {pending.state_indices.shape[0]} rows, this one has N={N}")
+    if num_accepted_tokens is None:
+        raise ValueError("num_accepted_tokens: required with pending= (the pending tokens to commit, per row)")
+    _check_indices("num_accepted_tokens", num_accepted_tokens, (N,), state_pool.device)
+    if state_indices is None:
+        return pending.state_indices
+    return state_indices
 
 
 def cula_commit(pending: PendingCommit, num_accepted_tokens, *, backend=None, **kwargs):

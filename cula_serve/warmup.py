@@ -16,7 +16,8 @@ from .api import PROTOCOLS, cula_commit, cula_decode, cula_verify
 def warmup(mode: str, *, H: int, HV: int, K: int, V: int, batch_sizes, verify_tokens=(), protocols=PROTOCOLS,
            state_dtype=torch.float32, dtype=torch.bfloat16, device="cuda", backend=None, **options) -> int:
     """Run decode for each batch size and, for each T in ``verify_tokens`` and each protocol, a
-    verify + commit, on scratch tensors. ``options`` are the keyword arguments the engine's calls
+    verify + commit, on scratch tensors; for the deferred protocol also a verify with ``pending=``
+    after a pending verify of every length in ``verify_tokens`` (its own kernel variants). ``options`` are the keyword arguments the engine's calls
     pass (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``A_log``, ``dt_bias``,
     ``lower_bound``, ``use_beta_sigmoid_in_kernel``, ``scale``; ``decay`` for lightning).
     Returns the number of calls made."""
@@ -46,6 +47,19 @@ def warmup(mode: str, *, H: int, HV: int, K: int, V: int, batch_sizes, verify_to
                 elif protocol == "buffer":
                     extra["intermediate_states"] = torch.zeros(N, T, HV, V, K, dtype=state_dtype, device=device)
                 _, pending = cula_verify(qk, qk, v, pool, protocol=protocol, **extra, **common)
-                cula_commit(pending, torch.ones(N, dtype=torch.int32, device=device))
+                accepted = torch.ones(N, dtype=torch.int32, device=device)
+                if protocol == "deferred":
+                    for previous in verify_tokens:
+                        _, earlier = cula_verify(qk[:, :previous], qk[:, :previous], v[:, :previous], pool,
+                                                 protocol=protocol, **extra, **_tokens(common, previous))
+                        cula_verify(qk, qk, v, pool, protocol=protocol, pending=earlier, num_accepted_tokens=accepted,
+                                    **extra, **common)
+                        calls += 2
+                cula_commit(pending, accepted)
                 calls += 2
     return calls
+
+
+def _tokens(common: dict, T: int) -> dict:
+    """``common`` with its per-token gates cut to the first T tokens."""
+    return {key: val[:, :T] if key in ("g", "beta") else val for key, val in common.items()}

@@ -4,7 +4,7 @@ MTP protocols agree, padded rows untouched with zero output, both pool dtypes.""
 import pytest
 import torch
 
-from cula_serve import cula_commit, cula_decode, cula_gdn, cula_kda, cula_lightning, cula_verify
+from cula_serve import api, cula_commit, cula_decode, cula_gdn, cula_kda, cula_lightning, cula_verify
 
 from conftest import (ORACLE, SMALL, SMALL_MHA, assert_close, assert_untouched, oracle_pool, poisoned_pool,
                       random_inputs, to_float64, tolerance)
@@ -135,6 +135,55 @@ def test_protocols_agree_with_mixed_accepted_lengths(mode, generator):
     torch.testing.assert_close(results["buffer"][0], results["deferred"][0])
     live = slots[slots >= 0].long()
     torch.testing.assert_close(results["buffer"][1][live], results["deferred"][1][live], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_verify_with_pending_commits_it_first(mode, state_dtype, backend, generator, monkeypatch):
+    """An engine's steady state: each deferred verify commits the previous one's accepted tokens
+    first (``pending=``). Three steps of different lengths against the oracle run as separate
+    verify and commit calls, with every accepted count 0..T across the rows. The Triton delta-rule
+    kernel commits inside the verify (no separate commit may run); the others commit first."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    fused = backend == "triton" and mode != "lightning"
+    lengths = (3, 4, 2)
+    accepted = [torch.tensor([3, 0, 1, 2, 1], dtype=torch.int32), torch.tensor([4, 1, 0, 0, 2], dtype=torch.int32)]
+    shape = dict(H=2, HV=4, K=16, V=16)  # head dims the Triton kernels take
+    pool = _setup(mode, (5, 1), state_dtype, generator, shape)[1]
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    ref_pool = oracle_pool(pool)
+    tol = tolerance(torch.bfloat16, state_dtype)
+    live = slots[slots >= 0].long()
+    pending = ref_pending = layer = None
+    for step, T in enumerate(lengths):
+        kw = random_inputs(mode, (5, T), **shape, generator=generator)
+        layer = layer or {key: kw[key] for key in ("A_log", "dt_bias", "decay") if key in kw}
+        kw.update(layer)  # a layer's gate parameters are the same every step
+        qkv, rest = _split_gates(kw)
+        commit_first = {} if pending is None else dict(pending=pending, num_accepted_tokens=accepted[step - 1])
+        before = pool.clone()
+        with monkeypatch.context() as patched:
+            if fused:
+                patched.setattr(api, "cula_commit", None)  # calling it would fail
+            o, pending = cula_verify(**qkv, state_pool=pool, mode=mode, state_indices=None if step else slots,
+                                     backend=backend, **commit_first, **rest)
+        ref_qkv, ref_rest = _split_gates(to_float64(dict(qkv, **rest)))
+        if ref_pending is not None:
+            cula_commit(ref_pending, accepted[step - 1])
+        ref_o, ref_pending = cula_verify(**ref_qkv, state_pool=ref_pool, mode=mode, state_indices=slots,
+                                         **ref_rest, **ORACLE)
+        assert_close(o, ref_o, tol, f"step {step} outputs")
+        assert (o[2] == 0).all()
+        if step == 0:
+            assert torch.equal(pool.nan_to_num(7.0), before.nan_to_num(7.0)), "a verify without pending wrote the pool"
+        else:
+            assert_close(pool[live], ref_pool[live], tol, f"step {step}: the committed states")
+        assert_untouched(pool, UNUSED)
+    cula_commit(pending, torch.tensor([2, 1, 2, 0, 2], dtype=torch.int32))
+    cula_commit(ref_pending, torch.tensor([2, 1, 2, 0, 2], dtype=torch.int32))
+    assert_close(pool[live], ref_pool[live], tol, "the last commit")
 
 
 def test_slots_protocol_reads_the_accepted_column(generator):

@@ -418,4 +418,4 @@ def test_warmup_compiles_every_bucket_without_error():
     calls = warmup("gdn", H=1, HV=2, K=16, V=16, batch_sizes=(1, 3), verify_tokens=(2,), device="cpu",
                    backend="triton", use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                    A_log=torch.zeros(2), dt_bias=torch.zeros(2), use_beta_sigmoid_in_kernel=True)
-    assert calls == 2 * (1 + 2 * 3)
+    assert calls == 2 * (1 + 2 * 3 + 2)  # decode; verify + commit per protocol; a verify with pending=

@@ -81,7 +81,9 @@ def _mutations(mode, kw, pool):
 
     mutated("q", q=kw["q"].to(torch.int32))
     mutated("k", k=kw["k"][:, :, :, :-1])
-    mutated("v", v=kw["v"][:, :-1] if T > 0 else kw["v"][..., :-1])
+    # (with no tokens, a v of another batch size: a narrower v would only change V, which the
+    # pool's shape check reports first)
+    mutated("v", v=kw["v"][:, :-1] if T > 0 else torch.zeros(2, *kw["v"].shape[1:], dtype=kw["v"].dtype))
     mutated("v", v=kw["v"].float())
     mutated("cu_seqlens", cu_seqlens=kw["cu_seqlens"] + 1)
     mutated("cu_seqlens", cu_seqlens=kw["cu_seqlens"].float())
@@ -175,6 +177,10 @@ def test_invalid_decode_verify_commit_raise_and_write_nothing(call, data):
     step = lambda d: {k: (v[:, :1] if isinstance(v, torch.Tensor) and v.dim() >= 3 else v) for k, v in d.items()}  # noqa: E731
     buffer = torch.zeros(N, T, *pool.shape[1:])
     columns = torch.stack([slots] + [torch.full_like(slots, -1)] * (T - 1), 1)
+
+    def pending():  # a deferred verify of the same rows, not committed yet
+        return cula_verify(**qkv, state_pool=pool, mode=mode, state_indices=slots, **kw)[1]
+
     cases = [
         ("mode", lambda: cula_decode(**step(qkv), state_pool=pool, mode="mamba", state_indices=slots, **step(kw))),
         ("state_indices", lambda: cula_decode(**step(qkv), state_pool=pool, mode=mode,
@@ -198,6 +204,21 @@ def test_invalid_decode_verify_commit_raise_and_write_nothing(call, data):
         ("num_accepted_tokens", lambda: cula_commit(
             cula_verify(**qkv, state_pool=pool, mode=mode, state_indices=slots, **kw)[1], slots[:-1])),
         ("pending", lambda: cula_commit(object(), slots)),
+        # a verify that commits a pending one first: nothing is committed when the call is invalid
+        ("pending", lambda: cula_verify(**qkv, state_pool=pool, mode=mode, state_indices=slots, protocol="buffer",
+                                        intermediate_states=buffer, pending=pending(), num_accepted_tokens=slots, **kw)),
+        ("pending", lambda: cula_verify(**qkv, state_pool=pool, mode=mode, state_indices=slots, num_accepted_tokens=slots,
+                                        pending=cula_verify(**qkv, state_pool=pool, mode=mode, state_indices=slots,
+                                                            protocol="buffer", intermediate_states=buffer, **kw)[1],
+                                        **kw)),
+        ("pending", lambda: cula_verify(**qkv, state_pool=pool.clone(), mode=mode, state_indices=slots,
+                                        pending=pending(), num_accepted_tokens=torch.ones_like(slots), **kw)),
+        ("num_accepted_tokens", lambda: cula_verify(**qkv, state_pool=pool, mode=mode, pending=pending(), **kw)),
+        ("num_accepted_tokens", lambda: cula_verify(**qkv, state_pool=pool, mode=mode, pending=pending(),
+                                                    num_accepted_tokens=torch.full_like(slots, T + 1), **kw)),
+        ("state_indices", lambda: cula_verify(**qkv, state_pool=pool, mode=mode, pending=pending(),
+                                              state_indices=(slots + 1) % pool.shape[0],
+                                              num_accepted_tokens=torch.ones_like(slots), **kw)),
     ]
     if T > 1:  # decode takes one token
         cases.append(("q", lambda: cula_decode(**qkv, state_pool=pool, mode=mode, state_indices=slots, **kw)))

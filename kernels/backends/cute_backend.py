@@ -1,6 +1,7 @@
 """The ``cute`` backend: CuTe DSL kernels for Hopper (SM90), from ``nvidia-cutlass-dsl``.
 
-    decode, verify (buffer, slots, deferred), deferred commit
+    decode, verify (buffer, slots, deferred; deferred with the previous verify's commit first),
+    deferred commit
              kernels/delta_rule/recurrent_cute.py (gdn, kda and lightning: one kernel)
     buffer / slots commit
              the Triton backend's state copy (a plain copy of one state per sequence)
@@ -16,6 +17,8 @@ The GDN prefill takes one backend-specific keyword, ``segment_tokens`` (as the t
 from __future__ import annotations
 
 import torch
+
+from ..common.pool_protocol import fuses_pending
 
 try:
     from ..delta_rule import chunk_cute as delta_chunk_cute, recurrent_cute
@@ -149,6 +152,28 @@ def verify(recipe, q, k, v, g, beta, *, protocol, state_pool, state_indices, num
                              num_accepted_tokens=num_accepted_tokens if protocol == "slots" else None,
                              intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
                              saved_u=saved)
+    return saved
+
+
+def fuses_commit(pending, recipe, g) -> bool:
+    """Whether ``commit_verify`` runs this verify with ``pending`` in one kernel (every family)."""
+    return fuses_pending(pending, recipe, g, NAME, ("gdn", "kda", "lightning"))
+
+
+def commit_verify(recipe, q, k, v, g, beta, *, pending, num_accepted_tokens, state_pool, state_indices, out,
+                  **kwargs):
+    """The deferred commit of ``pending`` (``num_accepted_tokens`` [N] of its tokens, 0..its T)
+    and the deferred verify of these T tokens from the committed states, in one kernel: each state
+    is read once and written once (where a commit is due). Only where ``fuses_commit``. Returns
+    the new u as ``verify`` does."""
+    _no_options("verify", kwargs)
+    saved = None
+    if recipe.delta_rule:
+        saved = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    pending_u = pending.saved if recipe.delta_rule else pending.v
+    recurrent_cute.recurrent(recipe, q, k, v, g, beta, op="deferred", state_pool=state_pool,
+                             state_indices=state_indices, out=out, num_accepted_tokens=num_accepted_tokens,
+                             saved_u=saved, pending=(pending.k, pending.g, pending_u))
     return saved
 
 

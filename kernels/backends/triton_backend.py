@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common.pool_protocol import fuses_pending
+
 try:
     import triton
     _IMPORT_ERROR = None
@@ -120,6 +122,27 @@ def verify(recipe, q, k, v, g, beta, *, protocol, state_pool, state_indices, num
                out=out, num_accepted_tokens=num_accepted_tokens if protocol == "slots" else None,
                intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
                **({} if saved is None else dict(saved_u=saved)))
+    return saved
+
+
+def fuses_commit(pending, recipe, g) -> bool:
+    """Whether ``commit_verify`` runs this verify with ``pending`` in one kernel (GDN and KDA;
+    Lightning's verify and commit stay two launches)."""
+    return fuses_pending(pending, recipe, g, NAME, ("gdn", "kda"))
+
+
+def commit_verify(recipe, q, k, v, g, beta, *, pending, num_accepted_tokens, state_pool, state_indices, out,
+                  **kwargs):
+    """The deferred commit of ``pending`` (``num_accepted_tokens`` [N] of its tokens, 0..its T)
+    and the deferred verify of these T tokens from the committed states, in one kernel
+    (``recurrent_triton.delta_rule_recurrent``'s ``pending``). Only where ``fuses_commit``.
+    Returns the new u as ``verify`` does."""
+    _no_options("verify", kwargs)
+    from ..delta_rule.recurrent_triton import delta_rule_recurrent
+    saved = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    delta_rule_recurrent(recipe, q, k, v, g, beta, op="deferred", state_pool=state_pool, state_indices=state_indices,
+                         out=out, num_accepted_tokens=num_accepted_tokens, saved_u=saved,
+                         pending=(pending.k, pending.g, pending.saved))
     return saved
 
 

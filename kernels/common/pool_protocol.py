@@ -69,3 +69,24 @@ def output_target(out: torch.Tensor | None) -> torch.Tensor | None:
     """Where a kernel writes the outputs: ``out`` itself unless its rows are strided, then a
     contiguous scratch tensor the caller copies back."""
     return out if out is None or out.stride(-1) == 1 else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+
+def _same_memory(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """The same tensor seen the same way (engines pass a layer's parameters anew every step)."""
+    return (a is None) == (b is None) and (a is None or (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype))
+
+
+def fuses_pending(pending, recipe, g, backend: str, modes: tuple) -> bool:
+    """Whether a verify of ``backend`` can commit ``pending`` (the API's PendingCommit of a
+    deferred verify) inside its own kernel: the pending verify ran on this backend, in one of
+    ``modes``, with the same recipe (the commit's gates are computed from this call's gate
+    parameters, Lightning's from its decay ``g``) and kept its u (delta rule)."""
+    ours, theirs = recipe.fused_gate, pending.recipe.fused_gate
+    same_gate = (ours is None) == (theirs is None) and (ours is None or (
+        _same_memory(ours.A_log, theirs.A_log) and _same_memory(ours.dt_bias, theirs.dt_bias)
+        and ours.lower_bound == theirs.lower_bound))
+    if recipe.mode == "lightning":
+        same_gate = _same_memory(g, pending.g)
+    return (pending.backend == backend and recipe.mode in modes and pending.recipe.mode == recipe.mode and same_gate
+            and pending.recipe.qk_l2norm == recipe.qk_l2norm and (pending.saved is not None or not recipe.delta_rule))

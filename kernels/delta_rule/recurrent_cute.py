@@ -55,6 +55,12 @@ the L1 absorbs the partly used sectors, and a CTA needs no shared memory for the
 CTAs fit on an SM (the deferred verify's choice at scale). Loads that do not depend on the slot
 (the tokens' inputs, v or the saved u) are issued first, so that their latency overlaps the slot's.
 
+A deferred verify can first commit the previous deferred verify of the same rows (``pending``,
+constexpr TP > 0: its tokens' k, gate and saved u, Lightning's v): the accepted tokens are applied
+to the registers as a commit applies them, the state is written back rounded to the pool dtype
+and the verify goes on from exactly that. An engine's step then reads and writes each state once
+(a decode step's bytes) instead of a commit's read-modify-write plus the verify's read.
+
 Padding rows (slot < 0) read and write no state and get zero outputs (and zero saved u); a commit
 runs only its accepted tokens (a warp-uniform branch on ``num_accepted_tokens``).
 
@@ -87,6 +93,7 @@ GATE_NONE, GATE_SOFTPLUS, GATE_SAFE = range(3)  # prepared log decay; -A softplu
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: x above it is returned as is
+FOLD_FLOOR = 2.0 ** -60  # a folded scalar decay below this is applied to the state (1 / it stays far from overflow)
 # bool tensors (a prefill's has_initial_state) are read as bytes
 DTYPES = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
           torch.int32: cutlass.Int32, torch.bool: cutlass.Uint8}
@@ -426,24 +433,98 @@ def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars
                 prepared[_prep_index(t, QD_VECTOR, channels[c], VECTORS, G, CH, PAD)] = decay[c] * qt[c]
 
 
+@cute.jit
+def _stage_token(prepared: cute.Tensor, scalars: cute.Tensor, t, prepared_token: tuple, lane: Int32,
+                 VEC: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int],
+                 G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int]):
+    """One token's ``_prepare`` result into shared memory: k as vector 0, q (when there is one) as
+    vector 1, KDA's per-channel decay after them; beta and the scalar decay into ``scalars``."""
+    kt, decay, b, qt = prepared_token
+    decay_vector = 1 + int(len(qt) > 0)
+    for c in cutlass.range_constexpr(VEC):
+        channel = lane * VEC + c
+        prepared[_prep_index(t, 0, channel, VECTORS, G, CH, PAD)] = kt[c]
+        if cutlass.const_expr(len(qt) > 0):
+            prepared[_prep_index(t, 1, channel, VECTORS, G, CH, PAD)] = qt[c]
+        if cutlass.const_expr(FAMILY == KDA):
+            prepared[_prep_index(t, decay_vector, channel, VECTORS, G, CH, PAD)] = decay[c]
+    if lane == 0:
+        scalars[2 * t] = b
+        scalars[2 * t + 1] = decay[0]
+
+
+@cute.jit
+def _fold_factors(prepared: cute.Tensor, scalars: cute.Tensor, A: Float32, T: cutlass.Constexpr[int],
+                  FAMILY: cutlass.Constexpr[int], DECAY_VECTOR: cutlass.Constexpr[int],
+                  VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                  PAD: cutlass.Constexpr[int]):
+    """A scalar decay folded over T tokens: (gamma, applied), T values each. The registers hold S'
+    with S = gamma_t S' after token t; where the running product would fall below FOLD_FLOOR,
+    applied[t] is that product (to be multiplied into S' before token t's update) and gamma restarts
+    at 1, so that 1 / gamma_t never grows large. All ones for KDA's per-channel decay."""
+    gamma = [Float32(1.0) for _ in range(T)]
+    applied = [Float32(1.0) for _ in range(T)]
+    if cutlass.const_expr(FAMILY != KDA):
+        running = Float32(1.0)
+        for t in cutlass.range_constexpr(T):
+            candidate = running * _token_decay(prepared, scalars, A, t, [], FAMILY, DECAY_VECTOR, VECTORS, G, CH,
+                                               PAD)[0]
+            small = candidate < FOLD_FLOOR
+            applied[t] = cutlass.select_(small, candidate, Float32(1.0))
+            running = cutlass.select_(small, Float32(1.0), candidate)
+            gamma[t] = running
+    return gamma, applied
+
+
+@cute.jit
+def _decay_state(S: cute.Tensor, prepared: cute.Tensor, t, applied: Float32, part: Int32,
+                 FAMILY: cutlass.Constexpr[int], DECAY_VECTOR: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int],
+                 G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int]):
+    """Token t's decay on this lane's share of the state: the folded scalar's ``applied`` factor
+    (``_fold_factors``; usually 1 and skipped), or KDA's per-channel decays."""
+    R = cute.size(S) // CH
+    if cutlass.const_expr(FAMILY != KDA):
+        if applied < 1.0:
+            for r in cutlass.range_constexpr(R):
+                for c in cutlass.range_constexpr(CH):
+                    S[r, c] = S[r, c] * applied
+    else:
+        channel_decay = _prepared_run(prepared, t, DECAY_VECTOR, part, VECTORS, G, CH, PAD)
+        for r in cutlass.range_constexpr(R):
+            for c in cutlass.range_constexpr(CH):
+                S[r, c] = S[r, c] * channel_decay[c]
+
+
+@cute.jit
+def _add_update(S: cute.Tensor, u: list, key: list, gamma: Float32, FOLD: cutlass.Constexpr[bool]):
+    """S += k u^T on this lane's share (its R columns' u, its CH channels of k); with a folded
+    scalar decay the registers hold S' = S / gamma, so u is divided by gamma first."""
+    R = cute.size(S) // len(key)
+    unfolded = Float32(1.0) / gamma if cutlass.const_expr(FOLD) else Float32(1.0)
+    for r in cutlass.range_constexpr(R):
+        ur = u[r] * unfolded if cutlass.const_expr(FOLD) else u[r]
+        for c in cutlass.range_constexpr(len(key)):
+            S[r, c] = S[r, c] + ur * key[c]
+
+
 # ------------------------------------------------------------------------------------------------
 # the kernel
-
-FOLD_FLOOR = 2.0 ** -60  # a folded scalar decay below this is applied to the state (1 / it stays far from overflow)
 
 
 @cute.kernel
 def _recurrent_kernel(
     q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, o: cute.Tensor,
     saved_u: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor,
+    pending_k: cute.Tensor, pending_g: cute.Tensor, pending_u: cute.Tensor,
     pool: cute.Pointer, stride_pool: Int64, buffer: cute.Pointer, stride_buf_r: Int64, stride_buf_t: Int64,
     state_indices: cute.Tensor, num_accepted: cute.Tensor, buffer_rows: cute.Tensor,
     scale: Float32, lower_bound: Float32,
-    T: cutlass.Constexpr[int], H: cutlass.Constexpr[int], HV: cutlass.Constexpr[int], K: cutlass.Constexpr[int],
-    V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], G: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
-    FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
-    QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool], SAVED_U: cutlass.Constexpr[bool],
-    VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int], STAGE: cutlass.Constexpr[bool],
+    T: cutlass.Constexpr[int], TP: cutlass.Constexpr[int], H: cutlass.Constexpr[int], HV: cutlass.Constexpr[int],
+    K: cutlass.Constexpr[int], V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
+    OP: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int],
+    HAS_DT_BIAS: cutlass.Constexpr[bool], QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
+    SAVED_U: cutlass.Constexpr[bool], VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
+    STAGE: cutlass.Constexpr[bool],
 ):
     VEC = K // 32  # a lane's channels while preparing the tokens (32 lanes over K)
     CH = K // G  # a lane's channels of the state (G lanes over K)
@@ -471,6 +552,11 @@ def _recurrent_kernel(
     TOKENS_PER_WARP = (T + WARPS - 1) // WARPS
     raw = [_token_inputs(q, k, g, beta, i_n, cutlass.min(warp + j * WARPS, Int32(T - 1)), i_h, i_hv, lane * VEC,
                          VEC, OP, FAMILY, SAVED_U) for j in range(TOKENS_PER_WARP)]
+    COMMIT_FIRST = TP > 0  # a deferred verify that first commits the previous verify's accepted tokens
+    PENDING_PER_WARP = (TP + WARPS - 1) // WARPS
+    pending_raw = [_token_inputs(q, pending_k, pending_g, beta, i_n, cutlass.min(warp + j * WARPS, Int32(TP - 1)),
+                                 i_h, i_hv, lane * VEC, VEC, OP_COMMIT, FAMILY, True) for j in range(PENDING_PER_WARP)]
+    pending_values = [[Float32(pending_u[i_n, t, i_hv, col0 + r]) for r in range(R)] for t in range(TP)]
     values_src = saved_u if cutlass.const_expr(OP == OP_COMMIT and SAVED_U) else v
     if cutlass.const_expr(OP == OP_DEFERRED):
         # a deferred verify's lane needs the one column whose sums it holds (``_scatter_sum``):
@@ -515,6 +601,14 @@ def _recurrent_kernel(
     prepared = smem.allocate_tensor(Float32, cute.make_layout(T * VECTORS * G * (CH + PREP_PAD)), 16)
     scalars = smem.allocate_tensor(Float32, cute.make_layout(2 * T), 16)  # beta, scalar decay per token
     coefficients = smem.allocate_tensor(Float32, cute.make_layout((2, T, T), stride=(T * T, T, 1)), 16)
+    # the pending commit's tokens: k and KDA's per-channel decay, the scalar decay
+    PENDING_VECTORS, PENDING_DECAY_VECTOR = 1 + int(FAMILY == KDA), 1
+    pending_prepared = prepared
+    pending_scalars = scalars
+    if cutlass.const_expr(COMMIT_FIRST):
+        pending_prepared = smem.allocate_tensor(Float32, cute.make_layout(TP * PENDING_VECTORS * G * (CH + PREP_PAD)),
+                                                16)
+        pending_scalars = smem.allocate_tensor(Float32, cute.make_layout(2 * TP), 16)
 
     head_offset = Int64((i_hv * V + v0) * K)  # this warp's block of COLS columns, contiguous
     lane_offset = group * R * K + part * CH  # where this lane's first run starts in the block
@@ -552,18 +646,15 @@ def _recurrent_kernel(
         # out as G runs of CH channels (the lanes' shares), padded against bank conflicts.
         for j in cutlass.range_constexpr(TOKENS_PER_WARP):
             t = warp + j * WARPS
-            kt, decay, b, qt = _prepare(raw[j], A, bias, lower_bound, scale, OP, FAMILY, GATE, QK_L2NORM, BETA_LOGITS)
+            token = _prepare(raw[j], A, bias, lower_bound, scale, OP, FAMILY, GATE, QK_L2NORM, BETA_LOGITS)
             if t < T:
-                for c in cutlass.range_constexpr(VEC):
-                    channel = lane * VEC + c
-                    prepared[_prep_index(t, 0, channel, VECTORS, G, CH, PREP_PAD)] = kt[c]
-                    if cutlass.const_expr(WITH_Q):
-                        prepared[_prep_index(t, Q_VECTOR, channel, VECTORS, G, CH, PREP_PAD)] = qt[c]
-                    if cutlass.const_expr(FAMILY == KDA):
-                        prepared[_prep_index(t, DECAY_VECTOR, channel, VECTORS, G, CH, PREP_PAD)] = decay[c]
-                if lane == 0:
-                    scalars[2 * t] = b
-                    scalars[2 * t + 1] = decay[0]
+                _stage_token(prepared, scalars, t, token, lane, VEC, FAMILY, VECTORS, G, CH, PREP_PAD)
+        for j in cutlass.range_constexpr(PENDING_PER_WARP):
+            t = warp + j * WARPS
+            token = _prepare(pending_raw[j], A, bias, lower_bound, scale, OP_COMMIT, FAMILY, GATE, QK_L2NORM, False)
+            if t < TP:
+                _stage_token(pending_prepared, pending_scalars, t, token, lane, VEC, FAMILY, PENDING_VECTORS, G, CH,
+                             PREP_PAD)
 
         if cutlass.const_expr(DEFERRED):
             cute.arch.barrier()
@@ -576,6 +667,25 @@ def _recurrent_kernel(
         cute.arch.barrier()
         if cutlass.const_expr(STAGE):
             S = _registers(share)
+
+        if cutlass.const_expr(COMMIT_FIRST):
+            # The previous verify's accepted tokens, from their saved u (Lightning: v), as a commit
+            # does; the state goes back to the slot as the pool holds it (rounded to its dtype), and
+            # the verify below starts from exactly that.
+            pending_count = num_accepted[i_n]
+            pending_gamma, pending_applied = _fold_factors(pending_prepared, pending_scalars, A, TP, FAMILY,
+                                                           PENDING_DECAY_VECTOR, PENDING_VECTORS, G, CH, PREP_PAD)
+            for t in cutlass.range_constexpr(TP):
+                if t < pending_count:
+                    key = _prepared_run(pending_prepared, t, 0, part, PENDING_VECTORS, G, CH, PREP_PAD)
+                    _decay_state(S, pending_prepared, t, pending_applied[t], part, FAMILY, PENDING_DECAY_VECTOR,
+                                 PENDING_VECTORS, G, CH, PREP_PAD)
+                    _add_update(S, pending_values[t], key, pending_gamma[t], FOLD)
+            factor = cutlass.select_(pending_count > 0, _pick(pending_gamma, pending_count - 1), Float32(1.0))
+            S.store((S.load() * factor).to(state_type).to(Float32))
+            if pending_count > 0:
+                _store_state(S, Float32(1.0), share, warp_block, pool, block, lane, lane_offset, K, CH, PAD, per_copy,
+                             STAGE)
 
         if cutlass.const_expr(DEFERRED):
             # No state is written: every output follows from 2T dot products with S0 and the
@@ -611,31 +721,11 @@ def _recurrent_kernel(
             # A scalar decay is folded: the registers hold S' with S = gamma_t S', gamma_t the product
             # of the decays so far, so a token costs no pass over the state for its decay. When the
             # product falls below FOLD_FLOOR it is applied (S' = S, gamma = 1) before 1 / gamma_t grows large.
-            gamma = [Float32(1.0) for _ in range(T)]
-            applied = [Float32(1.0) for _ in range(T)]
-            if cutlass.const_expr(FOLD):
-                running = Float32(1.0)
-                for t in cutlass.range_constexpr(T):
-                    candidate = running * _token_decay(prepared, scalars, A, t, [], FAMILY, DECAY_VECTOR,
-                                                       VECTORS, G, CH, PREP_PAD)[0]
-                    small = candidate < FOLD_FLOOR
-                    applied[t] = cutlass.select_(small, candidate, Float32(1.0))
-                    running = cutlass.select_(small, Float32(1.0), candidate)
-                    gamma[t] = running
-
+            gamma, applied = _fold_factors(prepared, scalars, A, T, FAMILY, DECAY_VECTOR, VECTORS, G, CH, PREP_PAD)
             for t in cutlass.range_constexpr(T):
                 if t < count:
                     key = _prepared_run(prepared, t, 0, part, VECTORS, G, CH, PREP_PAD)
-                    if cutlass.const_expr(FOLD):
-                        if applied[t] < 1.0:
-                            for r in cutlass.range_constexpr(R):
-                                for c in cutlass.range_constexpr(CH):
-                                    S[r, c] = S[r, c] * applied[t]
-                    else:
-                        channel_decay = _prepared_run(prepared, t, DECAY_VECTOR, part, VECTORS, G, CH, PREP_PAD)
-                        for r in cutlass.range_constexpr(R):
-                            for c in cutlass.range_constexpr(CH):
-                                S[r, c] = S[r, c] * channel_decay[c]
+                    _decay_state(S, prepared, t, applied[t], part, FAMILY, DECAY_VECTOR, VECTORS, G, CH, PREP_PAD)
                     # u: what the token writes into each column (v itself for Lightning, the saved u
                     # for a commit that has it)
                     u = values[t]
@@ -643,11 +733,7 @@ def _recurrent_kernel(
                         predicted = _all_sum(_row_partials(S, key, R, CH), lane, G)
                         beta_t = scalars[2 * t]
                         u = [beta_t * (values[t][r] - gamma[t] * predicted[r]) for r in range(R)]
-                    unfolded = Float32(1.0) / gamma[t] if cutlass.const_expr(FOLD) else Float32(1.0)
-                    for r in cutlass.range_constexpr(R):
-                        ur = u[r] * unfolded if cutlass.const_expr(FOLD) else u[r]
-                        for c in cutlass.range_constexpr(CH):
-                            S[r, c] = S[r, c] + ur * key[c]
+                    _add_update(S, u, key, gamma[t], FOLD)
                     # output
                     if cutlass.const_expr(WITH_Q):
                         query = _prepared_run(prepared, t, Q_VECTOR, part, VECTORS, G, CH, PREP_PAD)
@@ -684,23 +770,27 @@ def _launch(
     q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, g_ptr: cute.Pointer, beta_ptr: cute.Pointer,
     o_ptr: cute.Pointer, u_ptr: cute.Pointer, A_log_ptr: cute.Pointer, dt_bias_ptr: cute.Pointer,
     pool_ptr: cute.Pointer, buffer_ptr: cute.Pointer, indices_ptr: cute.Pointer, accepted_ptr: cute.Pointer,
-    rows_ptr: cute.Pointer, N: Int32, num_columns: Int32,
+    rows_ptr: cute.Pointer, pending_k_ptr: cute.Pointer, pending_g_ptr: cute.Pointer, pending_u_ptr: cute.Pointer,
+    N: Int32, num_columns: Int32,
     sq_n: Int64, sq_t: Int64, sq_h: Int64, sk_n: Int64, sk_t: Int64, sk_h: Int64,
     sv_n: Int64, sv_t: Int64, sv_h: Int64, sg_n: Int64, sg_t: Int64, sg_h: Int64,
     sb_n: Int64, sb_t: Int64, sb_h: Int64, so_n: Int64, so_t: Int64, so_h: Int64,
     su_n: Int64, su_t: Int64, su_h: Int64, si_n: Int64, si_t: Int64,
-    stride_pool: Int64, stride_buf_r: Int64, stride_buf_t: Int64, scale: Float32, lower_bound: Float32,
+    stride_pool: Int64, stride_buf_r: Int64, stride_buf_t: Int64,
+    spk_n: Int64, spk_t: Int64, spk_h: Int64, spg_n: Int64, spg_t: Int64, spg_h: Int64,
+    spu_n: Int64, spu_t: Int64, spu_h: Int64, scale: Float32, lower_bound: Float32,
     stream: cuda.CUstream,
-    T: cutlass.Constexpr[int], H: cutlass.Constexpr[int], HV: cutlass.Constexpr[int], K: cutlass.Constexpr[int],
-    V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], G: cutlass.Constexpr[int], OP: cutlass.Constexpr[int],
-    FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
-    QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool], SAVED_U: cutlass.Constexpr[bool],
-    VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int], STAGE: cutlass.Constexpr[bool],
+    T: cutlass.Constexpr[int], TP: cutlass.Constexpr[int], H: cutlass.Constexpr[int], HV: cutlass.Constexpr[int],
+    K: cutlass.Constexpr[int], V: cutlass.Constexpr[int], R: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
+    OP: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int],
+    HAS_DT_BIAS: cutlass.Constexpr[bool], QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
+    SAVED_U: cutlass.Constexpr[bool], VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
+    STAGE: cutlass.Constexpr[bool],
 ):
     """Views of the raw pointers (per-token tensors as [N, T, heads, D], D's stride 1 or, for a
-    per-head scalar, 0) and the launch."""
-    def view(ptr, n, t, h, heads, D, last):
-        return cute.make_tensor(ptr, cute.make_layout((N, T, heads, D), stride=(n, t, h, last)))
+    per-head scalar, 0; the pending commit's as [N, TP, heads, D]) and the launch."""
+    def view(ptr, n, t, h, heads, D, last, tokens=T):
+        return cute.make_tensor(ptr, cute.make_layout((N, tokens, heads, D), stride=(n, t, h, last)))
 
     GK = K if FAMILY == KDA else 1  # the gate's channels
     q = view(q_ptr, sq_n, sq_t, sq_h, H, K, 1)
@@ -710,6 +800,10 @@ def _launch(
     beta = view(beta_ptr, sb_n, sb_t, sb_h, HV, 1, 0)
     o = view(o_ptr, so_n, so_t, so_h, HV, V, 1)
     saved_u = view(u_ptr, su_n, su_t, su_h, HV, V, 1)
+    pending_tokens = max(TP, 1)  # (never read without a pending commit)
+    pending_k = view(pending_k_ptr, spk_n, spk_t, spk_h, H, K, 1, pending_tokens)
+    pending_g = view(pending_g_ptr, spg_n, spg_t, spg_h, HV, GK, 1 if FAMILY == KDA else 0, pending_tokens)
+    pending_u = view(pending_u_ptr, spu_n, spu_t, spu_h, HV, V, 1, pending_tokens)
     A_log = cute.make_tensor(A_log_ptr, cute.make_layout((HV, 1), stride=(1, 0)))
     dt_bias = cute.make_tensor(dt_bias_ptr, cute.make_layout((HV, GK), stride=(GK, 1 if FAMILY == KDA else 0)))
     state_indices = cute.make_tensor(indices_ptr, cute.make_layout((N, num_columns), stride=(si_n, si_t)))
@@ -717,9 +811,11 @@ def _launch(
     buffer_rows = cute.make_tensor(rows_ptr, cute.make_layout((N,)))
     columns_per_cta = R * (32 // G) * WARPS
     _recurrent_kernel(
-        q, k, v, g, beta, o, saved_u, A_log, dt_bias, pool_ptr, stride_pool, buffer_ptr, stride_buf_r, stride_buf_t,
+        q, k, v, g, beta, o, saved_u, A_log, dt_bias, pending_k, pending_g, pending_u,
+        pool_ptr, stride_pool, buffer_ptr, stride_buf_r, stride_buf_t,
         state_indices, num_accepted, buffer_rows, scale, lower_bound,
-        T, H, HV, K, V, R, G, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS, STAGE,
+        T, TP, H, HV, K, V, R, G, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS,
+        STAGE,
     ).launch(grid=(N * HV, V // columns_per_cta, 1), block=(32 * WARPS, 1, 1), stream=stream)
 
 
@@ -728,7 +824,7 @@ def _launch(
 
 # the tensors behind ``_launch``'s pointer arguments, in order
 _POINTERS = ("q", "k", "v", "g", "beta", "o", "saved_u", "A_log", "dt_bias", "pool", "buffer",
-             "state_indices", "num_accepted", "buffer_rows")
+             "state_indices", "num_accepted", "buffer_rows", "pending_k", "pending_g", "pending_u")
 
 
 def pointer(dtype: torch.dtype, address: int, vector: bool = False):
@@ -744,7 +840,7 @@ def _compiled(dtypes: tuple, constexprs: tuple):
     config = dict(constexprs)
     vector = config["VECTOR_POOL"]
     fake = [pointer(dt, 1 << 20, vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
-    scalars = [1, 1] + [1] * 26 + [1.0, 0.0]
+    scalars = [1, 1] + [1] * 35 + [1.0, 0.0]
     return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **config)
 
 
@@ -805,18 +901,41 @@ def _vector_pool(*states: torch.Tensor | None) -> bool:
 
 
 def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=None, num_accepted_tokens=None,
-              intermediate_states=None, intermediate_indices=None, saved_u=None, shape=None):
+              intermediate_states=None, intermediate_indices=None, saved_u=None, pending=None, shape=None):
     """Run the recipe's recurrence over T tokens of N sequences against the state pool.
 
     Arguments as for ``recurrent_triton.delta_rule_recurrent`` (Lightning: g is the decay [HV] and
     beta None); ``shape`` (R, G, WARPS, STAGE) overrides ``launch_shape`` (benchmark sweeps). K must be
     32, 64, 128 or 256 and V a power of two from 16.
+
+    ``pending`` (op "deferred" only): (k, g, u) of a previous deferred verify of TP tokens of the
+    same N rows and slots, with the same recipe, committed before this verify in the same kernel
+    (one read and one write of each state instead of a commit's read-modify-write and a verify's
+    read). k [N, TP, H, K]; g as that verify's (Lightning: ignored, this call's decay is used); u
+    its saved u (float32 [N, TP, HV, V]; Lightning: its v). ``num_accepted_tokens`` [N] then
+    counts the pending tokens to commit (0..TP); the state each row's verify starts from is the
+    committed one, as the pool holds it.
     """
     N, T, HV, V = v.shape
     H, K = k.shape[-2:]
-    check_protocol(op, state_pool=state_pool, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
+    if pending is not None and op != "deferred":
+        raise ValueError(f"pending: only a deferred verify commits a pending verify first (op={op!r})")
+    check_protocol(op, state_pool=state_pool, state_indices=state_indices,
+                   num_accepted_tokens=None if pending is not None else num_accepted_tokens,
                    intermediate_states=intermediate_states, intermediate_indices=intermediate_indices, T=T)
     check_saved_u(saved_u, op, (N, T, HV, V))
+    pending_k = pending_g = pending_u = None
+    TP = 0
+    if pending is not None:
+        pending_k, pending_g, pending_u = (unit_last(x) for x in pending)
+        TP = pending_k.shape[1]
+        if num_accepted_tokens is None or tuple(num_accepted_tokens.shape) != (N,):
+            raise ValueError(f"num_accepted_tokens: a pending commit needs int32 [N={N}] accepted counts")
+        if pending_u.shape[:2] != (N, TP) or pending_k.shape[0] != N:
+            raise ValueError(f"pending: k and u must be [N={N}, TP, ...] alike, got {list(pending_k.shape)} and "
+                             f"{list(pending_u.shape)}")
+        if recipe.delta_rule:
+            check_saved_u(pending_u, "commit", (N, TP, HV, V))
     family = FAMILIES.index(recipe.mode)
     gate = recipe.fused_gate
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
@@ -836,10 +955,11 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
 
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta, o=target, saved_u=saved_u, A_log=A_log, dt_bias=dt_bias,
                    pool=state_pool, buffer=buffer, state_indices=indices, num_accepted=num_accepted_tokens,
-                   buffer_rows=intermediate_indices if op == "buffer" else None)
+                   buffer_rows=intermediate_indices if op == "buffer" else None, pending_k=pending_k,
+                   pending_g=pending_g if family != LIGHTNING else None, pending_u=pending_u)
     # an absent tensor is never read: a null pointer of a fixed dtype keeps the compile key small
     dtypes = tuple(torch.float32 if tensors[name] is None else tensors[name].dtype for name in _POINTERS)
-    constexprs = (("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("R", rows), ("G", lanes),
+    constexprs = (("T", T), ("TP", TP), ("H", H), ("HV", HV), ("K", K), ("V", V), ("R", rows), ("G", lanes),
                   ("OP", OPS.index(op)),
                   ("FAMILY", family),
                   ("GATE", GATE_NONE if gate is None else GATE_SAFE if gate.lower_bound is not None else GATE_SOFTPLUS),
@@ -858,6 +978,8 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                  *strides3(q), *strides3(k), *strides3(v), *g_strides, *strides3(beta), *strides3(target),
                  *strides3(saved_u), indices.stride(0), indices.stride(1),
                  state_pool.stride(0), *buffer_strides,
+                 *strides3(pending_k), *(strides3(pending_g) if family != LIGHTNING else (0, 0, 0)),
+                 *strides3(pending_u),
                  recipe.scale, gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0,
                  stream)
     if target is not out:

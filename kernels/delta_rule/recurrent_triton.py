@@ -50,6 +50,13 @@ state and inputs) without the per-token row reduction S^T k, whose lane-shuffle 
 commit instruction-bound (KDA at B = 64, T = 4 on an H200: 111.5 -> 93.6 us); what is left is a
 streaming read-modify-write of the state.
 
+A "deferred" verify given ``pending`` (the previous deferred verify's k, gate and saved u, TP
+tokens of the same rows) first replays its ``num_accepted_tokens[n]`` accepted tokens onto the
+state in registers, as that commit would, writes the state back (rounded to the pool dtype) and
+verifies from it: one read and one write of each state per engine step instead of a commit's
+read-modify-write plus a verify's read. The commit runs on the verify's tile layout, so it equals
+a separate commit up to rounding (the k norms' reduction order).
+
 The buffer and slots commits are plain state copies: ``copy_committed_states``.
 
 T is a compile-time constant (one compile per verify length, and the loop needs a bound known to
@@ -212,8 +219,28 @@ def _softplus(x):
 
 
 @triton.jit
+def _token_log_decay(g, offset, offs_k, active, A, bias, lower_bound, PER_CHANNEL_GATE: tl.constexpr,
+                     FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """A token's log decay: [LV, 1, K // KL, KL] per channel (KDA) or a scalar (GDN), from the
+    prepared gate or the raw projection (``FusedGate``); 0 for an inactive token, whose update
+    must leave the state bit-identical (decay exp(0) = 1, and u = 0 with k = 0)."""
+    if PER_CHANNEL_GATE:
+        b_g = tl.load(g + offset + offs_k, mask=active, other=0.0).to(tl.float32)
+    else:
+        b_g = tl.load(g + offset, mask=active, other=0.0).to(tl.float32)
+    if FUSED_GATE:
+        if HAS_DT_BIAS:
+            b_g = b_g + bias
+        if SAFE_GATE:
+            b_g = lower_bound * tl.sigmoid(A * b_g)
+        else:
+            b_g = -A * _softplus(b_g)
+    return tl.where(active, b_g, 0.0)
+
+
+@triton.jit
 def _delta_rule_recurrent_kernel(
-    q, k, v, g, beta, o, A_log, dt_bias, saved_u,
+    q, k, v, g, beta, o, A_log, dt_bias, saved_u, pending_k, pending_g, pending_u,
     stride_q_n, stride_q_t, stride_q_h,
     stride_k_n, stride_k_t, stride_k_h,
     stride_v_n, stride_v_t, stride_v_h,
@@ -221,13 +248,16 @@ def _delta_rule_recurrent_kernel(
     stride_b_n, stride_b_t, stride_b_h,
     stride_o_n, stride_o_t, stride_o_h,
     stride_u_n, stride_u_t, stride_u_h,
+    stride_pk_n, stride_pk_t, stride_pk_h,
+    stride_pg_n, stride_pg_t, stride_pg_h,
+    stride_pu_n, stride_pu_t, stride_pu_h,
     scale, lower_bound,
     pool, buffer, state_indices, num_accepted, buffer_rows,
     stride_pool, stride_buf_r, stride_buf_t, stride_idx_n, stride_idx_t, num_columns,
-    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    LV: tl.constexpr, KL: tl.constexpr, NORM_ON_ROWS: tl.constexpr, OP: tl.constexpr, PER_CHANNEL_GATE: tl.constexpr,
-    FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    SAVED_U: tl.constexpr, UNROLL: tl.constexpr,
+    T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BV: tl.constexpr, LV: tl.constexpr, KL: tl.constexpr, NORM_ON_ROWS: tl.constexpr, OP: tl.constexpr,
+    PER_CHANNEL_GATE: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_L2NORM: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, SAVED_U: tl.constexpr, UNROLL: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -244,6 +274,8 @@ def _delta_rule_recurrent_kernel(
     h = load_state(pool, slot, stride_pool, tile, live)  # h[lv, r, c, j] = S[c KL + j, offs_v[lv, r]]
     buffer_row = load_buffer_row(buffer_rows, i_n, OP)
 
+    A = 1.0
+    bias = 0.0
     if FUSED_GATE:
         A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if dt_bias is not None:
@@ -253,26 +285,31 @@ def _delta_rule_recurrent_kernel(
                 bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
     i_n64 = i_n.to(tl.int64)
+    if TP > 0:
+        # A deferred verify that first commits the previous verify's accepted tokens (as a commit
+        # from saved u does), writes the state back as the pool holds it, and verifies from that.
+        pending_count = tl.where(live, tl.load(num_accepted + i_n), 0)
+        for t in tl.range(TP, loop_unroll_factor=UNROLL):
+            active = t < pending_count
+            k_t, k_norm = load_head_vector(pending_k, i_n64 * stride_pk_n + t * stride_pk_t + i_h * stride_pk_h,
+                                           active, 1.0, K, LV, KL, QK_L2NORM, NORM_ON_ROWS)
+            b_g = _token_log_decay(pending_g, i_n64 * stride_pg_n + t * stride_pg_t + i_hv * stride_pg_h, offs_k,
+                                   active, A, bias, lower_bound, PER_CHANNEL_GATE, FUSED_GATE, SAFE_GATE,
+                                   dt_bias is not None)
+            u = tl.load(pending_u + i_n64 * stride_pu_n + t * stride_pu_t + i_hv * stride_pu_h + offs_v, mask=active,
+                        other=0.0)
+            h = h * tl.exp(b_g)
+            h = h + (u * k_norm)[:, :, None, None] * k_t
+        h = h.to(pool.dtype.element_ty).to(tl.float32)
+        tl.store(pool + slot.to(tl.int64) * stride_pool + tile, h.to(pool.dtype.element_ty), mask=pending_count > 0)
+
     for t in tl.range(T, loop_unroll_factor=UNROLL):
         active = t < count
         k_t, k_norm = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active,
                                        1.0, K, LV, KL, QK_L2NORM, NORM_ON_ROWS)
         u_off = i_n64 * stride_u_n + t * stride_u_t + i_hv * stride_u_h + offs_v
-        g_off = i_n64 * stride_g_n + t * stride_g_t + i_hv * stride_g_h
-        if PER_CHANNEL_GATE:
-            b_g = tl.load(g + g_off + offs_k, mask=active, other=0.0).to(tl.float32)
-        else:
-            b_g = tl.load(g + g_off, mask=active, other=0.0).to(tl.float32)
-        if FUSED_GATE:
-            if dt_bias is not None:
-                b_g = b_g + bias
-            if SAFE_GATE:
-                b_g = lower_bound * tl.sigmoid(A * b_g)
-            else:
-                b_g = -A * _softplus(b_g)
-        # an inactive token (past a commit's accepted count) must leave the state bit-identical:
-        # decay exp(0) = 1 and u = 0 with k = 0 make the update h * 1 + 0
-        b_g = tl.where(active, b_g, 0.0)
+        b_g = _token_log_decay(g, i_n64 * stride_g_n + t * stride_g_t + i_hv * stride_g_h, offs_k, active, A, bias,
+                               lower_bound, PER_CHANNEL_GATE, FUSED_GATE, SAFE_GATE, dt_bias is not None)
         h = h * tl.exp(b_g)  # b_g: [LV, 1, K // KL, KL] (KDA) or a scalar (GDN)
 
         if (OP == OP_COMMIT) and SAVED_U:
@@ -379,7 +416,7 @@ def protocol_args(op: str, *, state_pool, state_indices, num_accepted_tokens, in
 
 def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=None,
                          num_accepted_tokens=None, intermediate_states=None, intermediate_indices=None,
-                         saved_u=None):
+                         saved_u=None, pending=None):
     """Run the delta rule over T tokens of N sequences against the state pool (see the module
     docstring for what each ``op`` reads and writes).
 
@@ -401,12 +438,27 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
         saved_u: optional float32 [N, T, HV, V] with unit last stride: "deferred" writes every
            token's u to it (padding rows get zeros), a "commit" of the same tokens reads it back
            instead of recomputing u.
+        pending: "deferred" only: (k [N, TP, H, K], g, u) of a previous deferred verify of TP tokens
+           of the same rows and slots with the same recipe, u its saved u (float32 [N, TP, HV, V]).
+           Its first ``num_accepted_tokens[n]`` tokens (0..TP) are committed in this kernel before
+           the verify, which starts from the committed state as the pool holds it: each state is
+           read once and written once instead of a commit's read-modify-write plus a verify's read.
     """
     N, T, HV, V = v.shape
     H, K = k.shape[-2:]
+    if pending is not None and op != "deferred":
+        raise ValueError(f"pending: only a deferred verify commits a pending verify first (op={op!r})")
     kernel_args = protocol_args(op, state_pool=state_pool, state_indices=state_indices,
-                                num_accepted_tokens=num_accepted_tokens, intermediate_states=intermediate_states,
-                                intermediate_indices=intermediate_indices, T=T)
+                                num_accepted_tokens=None if pending is not None else num_accepted_tokens,
+                                intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
+                                T=T)
+    pending_k = pending_g = pending_u = None
+    if pending is not None:
+        pending_k, pending_g, pending_u = (unit_last(x) for x in pending)
+        check_saved_u(pending_u, "commit", (N, pending_k.shape[1], HV, V))
+        if num_accepted_tokens is None or tuple(num_accepted_tokens.shape) != (N,):
+            raise ValueError(f"num_accepted_tokens: a pending commit needs int32 [N={N}] accepted counts")
+        kernel_args["num_accepted"] = num_accepted_tokens
     per_channel = recipe.mode == "kda"
     gate = recipe.fused_gate
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
@@ -419,9 +471,10 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
     with device_guard(v.device):
         _delta_rule_recurrent_kernel[(N * HV, V // bv)](
             q, k, v, g, beta, target, None if gate is None else gate.A_log.contiguous(), dt_bias, saved_u,
+            pending_k, pending_g, pending_u,
             *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta), *strides3(target),
-            *strides3(saved_u),
-            T=T, scale=recipe.scale, **tile_split(K, bv, per_channel, op),
+            *strides3(saved_u), *strides3(pending_k), *strides3(pending_g), *strides3(pending_u),
+            T=T, TP=0 if pending is None else pending_k.shape[1], scale=recipe.scale, **tile_split(K, bv, per_channel, op),
             lower_bound=gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0,
             H=H, HV=HV, K=K, V=V, BV=bv, PER_CHANNEL_GATE=per_channel, FUSED_GATE=gate is not None,
             SAFE_GATE=gate is not None and gate.lower_bound is not None, QK_L2NORM=recipe.qk_l2norm,

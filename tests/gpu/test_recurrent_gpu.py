@@ -11,7 +11,7 @@ the same GPU: the math is the same as on the CPU and the model shapes are large 
 import pytest
 import torch
 
-from cula_serve import cula_commit, cula_decode, cula_verify, dispatch
+from cula_serve import api, cula_commit, cula_decode, cula_verify, dispatch
 from cula_serve.inputs import MODE_SHAPES, random_inputs, relative_error, to_float64
 
 from conftest import ORACLE, assert_close, skip_module_unless_gpu, tolerance
@@ -237,6 +237,100 @@ def test_verify_and_commit_paged_pool(mode, page_pad, backend):
 
 
 # ------------------------------------------------------------------------------------------------
+# a deferred verify that commits the previous one first (pending=)
+
+
+def _layer_inputs(mode, B, T, cpu_gen, like=None, **options):
+    """[B, T] verify inputs; with ``like`` its layer parameters (A_log, dt_bias, decay): an engine
+    passes the same ones every step."""
+    kw = random_inputs(mode, (B, T), **SHAPES[mode], device=DEVICE, generator=cpu_gen, **options)
+    if like is not None:
+        kw.update({key: like[key] for key in ("A_log", "dt_bias", "decay") if key in like})
+    return kw
+
+
+def _no_separate_commit(monkeypatch, backend, mode):
+    """A verify with pending= must commit inside its own kernel: on the cute backend, and on the
+    Triton one for the delta rule (its Lightning verify and commit stay two launches)."""
+    if backend["backend"] == "cute" or mode != "lightning":
+        def separate_commit(*args, **kwargs):
+            raise AssertionError(f"the {backend['backend']} backend ran a separate commit instead of its fused kernel")
+        monkeypatch.setattr(api, "cula_commit", separate_commit)
+
+
+SEPARATE_TOLERANCE = 1e-4  # a few roundings apart, far inside the oracle's tolerances
+
+
+def _check_pending_step(mode, first, second, accepted, state_dtype, backend, monkeypatch, B, seed):
+    """A deferred verify of ``first`` on permuted, padded slots, then a verify of ``second`` with
+    pending= that commits ``accepted`` of it first; against the float64 oracle (separate verify,
+    commit, verify) and against the same backend's separate calls."""
+    cpu_gen, gpu_gen = _generators(seed)
+    slots, P = _slots(B, cpu_gen)
+    initial = _pool(P, SHAPES[mode], state_dtype, slots, gpu_gen)
+    pool, separate, ref_pool = initial.clone(), initial.clone(), initial.double()
+    q, k, v, rest = _split(first)
+    _, pending = cula_verify(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
+    q2, k2, v2, rest2 = _split(second)
+    with monkeypatch.context() as patched:
+        _no_separate_commit(patched, backend, mode)
+        o, next_pending = cula_verify(q2, k2, v2, pool, mode=mode, pending=pending, num_accepted_tokens=accepted,
+                                      **rest2, **backend)
+
+    _, separate_pending = cula_verify(q, k, v, separate, mode=mode, state_indices=slots, **rest, **backend)
+    cula_commit(separate_pending, accepted)
+    separate_o, _ = cula_verify(q2, k2, v2, separate, mode=mode, state_indices=slots, **rest2, **backend)
+    fq, fk, fv, frest = _split(to_float64(first))
+    _, ref_pending = cula_verify(fq, fk, fv, ref_pool, mode=mode, state_indices=slots, **frest, **ORACLE)
+    cula_commit(ref_pending, accepted, **ORACLE_COMMIT)
+    fq, fk, fv, frest = _split(to_float64(second))
+    ref_o, ref_pending = cula_verify(fq, fk, fv, ref_pool, mode=mode, state_indices=slots, **frest, **ORACLE)
+
+    tol = tolerance(torch.bfloat16, state_dtype)
+    assert_close(o, ref_o, tol, "verify outputs")
+    assert (o[slots < 0] == 0).all()
+    _assert_same_writes(pool, ref_pool, tol, "pool after the commit inside the verify")
+    # the same math as the separate calls; the Triton kernel's commit runs on the verify's tile
+    # layout (other reduction orders for the k norms), so equal up to rounding, not bit for bit
+    assert_close(o, separate_o, SEPARATE_TOLERANCE, "outputs against a separate commit and verify")
+    assert_close(pool[slots[slots >= 0].long()], separate[slots[slots >= 0].long()], SEPARATE_TOLERANCE,
+                 "pool against a separate commit")
+    # the new pending commits like any other
+    last = accepted.roll(1) % (second["v"].shape[1] + 1)
+    cula_commit(next_pending, last)
+    cula_commit(ref_pending, last, **ORACLE_COMMIT)
+    _assert_same_writes(pool, ref_pool, tol, "pool after the next commit")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("B", BATCHES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_verify_with_pending(mode, B, state_dtype, backend, monkeypatch):
+    """Every accepted count 0..T of the pending verify across the rows; the second verify has
+    another length (T + 2 on the cute kernel's other compile-time shape)."""
+    cpu_gen = torch.Generator().manual_seed(400 + B)
+    first = _layer_inputs(mode, B, T, cpu_gen)
+    second = _layer_inputs(mode, B, T + 2, cpu_gen, like=first)
+    accepted = (torch.arange(B, dtype=torch.int32) % (T + 1)).to(DEVICE)
+    _check_pending_step(mode, first, second, accepted, state_dtype, backend, monkeypatch, B, 500 + B)
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+def test_verify_with_pending_strong_decays(mode, backend, monkeypatch):
+    """The pending verify is T = 8 with prepared log decays near -25 on tokens 1, 2 and 5: its
+    commit inside the next verify must apply the folded decay where it underflows (as a commit does)."""
+    B, tokens = 8, 8
+    cpu_gen = torch.Generator().manual_seed(23)
+    first = _layer_inputs(mode, B, tokens, cpu_gen, fused_gate=False)
+    strong = torch.zeros(tokens, dtype=torch.bool, device=DEVICE)
+    strong[[1, 2, 5]] = True
+    first["g"] = torch.where(strong.view(1, tokens, *([1] * (first["g"].dim() - 2))), first["g"] - 25.0, first["g"])
+    second = _layer_inputs(mode, B, T, cpu_gen, fused_gate=False)
+    accepted = torch.tensor([8, 0, 3, 6, 2, 7, 1, 5], dtype=torch.int32, device=DEVICE)
+    _check_pending_step(mode, first, second, accepted, torch.float32, backend, monkeypatch, B, 29)
+
+
+# ------------------------------------------------------------------------------------------------
 # CUDA graphs: capture once, replay with new inputs
 
 
@@ -261,6 +355,16 @@ def _refill(static: dict, new: dict):
             static[key].copy_(val)
 
 
+def _graph_setup(mode, B, seed):
+    """(CPU generator, head shape, slots [B] with padding, initial pool with every slot random, its
+    working copy) for a capture test."""
+    cpu_gen, gpu_gen = _generators(seed)
+    shape = SHAPES[mode]
+    slots, P = _slots(B, cpu_gen)
+    initial = _pool(P, shape, torch.float32, torch.arange(P, device=DEVICE), gpu_gen)
+    return cpu_gen, shape, slots, initial, initial.clone()
+
+
 def _same(x, y, what):
     """Replay and eager call run the same kernels on the same data."""
     nan, ref_nan = torch.isnan(x.float()), torch.isnan(y.float())
@@ -271,11 +375,7 @@ def _same(x, y, what):
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_graph_decode(mode, backend):
     B = 8
-    cpu_gen, gpu_gen = _generators(7)
-    shape = SHAPES[mode]
-    slots, P = _slots(B, cpu_gen)
-    initial = _pool(P, shape, torch.float32, torch.arange(P, device=DEVICE), gpu_gen)
-    pool = initial.clone()
+    cpu_gen, shape, slots, initial, pool = _graph_setup(mode, B, 7)
     static = random_inputs(mode, (B, 1), **shape, device=DEVICE, generator=cpu_gen)
     static["state_indices"] = slots.clone()
     out = torch.empty(B, 1, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
@@ -341,3 +441,36 @@ def test_cuda_graph_verify_and_commit(mode, protocol, backend):
         _same(pool, expected_pool, "pool after commit")
         if protocol == "buffer":
             _same(static["intermediate_states"], new["intermediate_states"], "intermediate states")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_verify_with_pending(mode, backend):
+    """The steady-state step captured once: verify with pending= over the pending verify's static
+    tensors, replayed with new tokens and accepted counts, equal to the eager call."""
+    B = 8
+    cpu_gen, shape, slots, initial, pool = _graph_setup(mode, B, 13)
+    first = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
+    q, k, v, rest = _split(first)
+    _, pending = cula_verify(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
+    static = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
+    static.update({key: first[key] for key in ("A_log", "dt_bias", "decay") if key in first})
+    static_accepted = torch.zeros(B, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(B, T, shape["HV"], shape["V"], dtype=torch.bfloat16, device=DEVICE)
+    sq, sk, sv, srest = _split(static)
+    graph, _ = _capture(lambda: cula_verify(sq, sk, sv, pool, mode=mode, pending=pending, out=out,
+                                            num_accepted_tokens=static_accepted, **srest, **backend))
+    for seed in range(2):
+        new = random_inputs(mode, (B, T), **shape, device=DEVICE, generator=cpu_gen)
+        new = {key: val for key, val in new.items() if key not in ("A_log", "dt_bias", "decay")}
+        _refill(static, new)
+        accepted = (torch.arange(B, dtype=torch.int32, device=DEVICE) + seed) % (T + 1)
+        static_accepted.copy_(accepted)
+        pool.copy_(initial)
+        graph.replay()
+        replayed_o, replayed_pool = out.clone(), pool.clone()
+        pool.copy_(initial)
+        expected_o, _ = cula_verify(sq, sk, sv, pool, mode=mode, pending=pending, num_accepted_tokens=accepted,
+                                    **srest, **backend)
+        torch.cuda.synchronize()
+        _same(replayed_o, expected_o, "verify outputs")
+        _same(replayed_pool, pool, "pool after the commit inside the verify")
