@@ -844,8 +844,8 @@ def _compiled(dtypes: tuple, constexprs: tuple):
     return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **config)
 
 
-def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int,
-                 state_dtype: torch.dtype) -> tuple[int, int, int, bool]:
+def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype,
+                 kda_commit_first: bool = False) -> tuple[int, int, int, bool]:
     """(R, G, WARPS, STAGE): a lane's state columns, the lanes sharing a column (each holds K / G
     of its channels), the warps of a CTA (R * 32 / G * WARPS columns per CTA, at most V), and
     whether the state passes through shared memory (``_recurrent_kernel``).
@@ -862,6 +862,10 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int,
       (G = 32) pay for reductions, few (G = 4) for rereading k and q from shared memory.
     - commit, buffer and slots verify: float32 R8 G32 W4 staged (commit 79.0 / 82.0 / 154.7; R16
       G32 W8 85.9; buffer ~194-200 with every shape); bfloat16 R8 G16 W4 (commit 43.6 for GDN).
+    - a KDA deferred verify that commits a pending one first, bfloat16 pool (H100, 2026-11-25,
+      B = 64, T = 4 after T = 4): R4 G8 W4 unstaged 80.1 us against 85.3 for R8 G16 W4 (W8 81.0,
+      staged 90.8, others 99-110); with a float32 pool and for GDN R8 G16 W4 stays best (KDA
+      122.6 against 125.3-149.0; GDN bfloat16 72.9 against 73.8-93.7).
     - a few sequences (fewer than 2048 heads): many small CTAs, state staged (its cp.async goes
       out right after the slot: one DRAM round trip less at B = 1); decode at B = 1 took 7.1 us
       with R2 G32 W4 against 7.5 with R1 (the first version of this kernel).
@@ -871,6 +875,8 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int,
         rows, lanes, warps = (1, 4, 4) if op == "deferred" else (2, 32, 4)
     elif op == "deferred":
         rows, lanes, warps, stage = 8, 16, 4, False
+        if kda_commit_first and state_dtype != torch.float32:
+            rows, lanes = 4, 8
     elif state_dtype != torch.float32:
         rows, lanes, warps = 8, 16, 4
     elif op == "decode":
@@ -950,7 +956,8 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     A_log = None if gate is None else gate.A_log.contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     buffer = intermediate_states if op == "buffer" else None
-    rows, lanes, warps, stage = shape or launch_shape(op, N, HV, K, V, T, state_pool.dtype)
+    rows, lanes, warps, stage = shape or launch_shape(op, N, HV, K, V, T, state_pool.dtype,
+                                                      kda_commit_first=family == KDA and TP > 0)
     indices = state_indices if state_indices.dim() == 2 else state_indices[:, None]
 
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta, o=target, saved_u=saved_u, A_log=A_log, dt_bias=dt_bias,
