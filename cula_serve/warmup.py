@@ -17,9 +17,10 @@ def warmup(mode: str, *, H: int, HV: int, K: int, V: int, batch_sizes, verify_to
            state_dtype=torch.float32, dtype=torch.bfloat16, device="cuda", backend=None, **options) -> int:
     """Run decode for each batch size and, for each T in ``verify_tokens`` and each protocol, a
     verify + commit, on scratch tensors; for the deferred protocol also a verify with ``pending=``
-    after a pending verify of every length in ``verify_tokens`` (its own kernel variants). ``options`` are the keyword arguments the engine's calls
-    pass (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``A_log``, ``dt_bias``,
-    ``lower_bound``, ``use_beta_sigmoid_in_kernel``, ``scale``; ``decay`` for lightning).
+    after a pending verify of every length in ``verify_tokens`` (its own kernel variants).
+    ``options`` are the keyword arguments the engine's calls pass (``use_qk_l2norm_in_kernel``,
+    ``use_gate_in_kernel``, ``A_log``, ``dt_bias``, ``lower_bound``, ``use_beta_sigmoid_in_kernel``,
+    ``scale``; ``decay`` for lightning).
     Returns the number of calls made."""
     device = torch.device(device)
     calls = 0

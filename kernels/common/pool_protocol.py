@@ -55,6 +55,26 @@ def check_saved_u(saved_u: torch.Tensor | None, op: str, shape: tuple):
                          f"got {saved_u.dtype} {list(saved_u.shape)} strides {list(saved_u.stride())}")
 
 
+def check_pending(op: str, pending: tuple | None, num_accepted_tokens, N: int, HV: int, V: int, saved_u: bool):
+    """A verify's pending commit as its kernels take it: ``pending`` is (k [N, TP, H, K], g, u) of a
+    previous deferred verify of the same N rows, u its saved u (float32 [N, TP, HV, V], checked when
+    ``saved_u``; Lightning's v otherwise), committed first for ``num_accepted_tokens`` [N] of its
+    tokens. Returns (k, g, u, TP) with unit last strides, or (None, None, None, 0) without one."""
+    if pending is None:
+        return None, None, None, 0
+    if op != "deferred":
+        raise ValueError(f"pending: only a deferred verify commits a pending verify first (op={op!r})")
+    k, g, u = (unit_last(x) for x in pending)
+    TP = k.shape[1]
+    if num_accepted_tokens is None or tuple(num_accepted_tokens.shape) != (N,):
+        raise ValueError(f"num_accepted_tokens: a pending commit needs int32 [N={N}] accepted counts")
+    if k.shape[0] != N or tuple(u.shape[:2]) != (N, TP):
+        raise ValueError(f"pending: k and u must be [N={N}, TP, ...] alike, got {list(k.shape)} and {list(u.shape)}")
+    if saved_u:
+        check_saved_u(u, "commit", (N, TP, HV, V))
+    return k, g, u, TP
+
+
 def strides3(x: torch.Tensor | None) -> tuple[int, int, int]:
     """(n, t, head) strides of a per-token tensor [N, T, heads, ...]; zeros when absent."""
     return (0, 0, 0) if x is None else tuple(x.stride()[:3])

@@ -84,7 +84,8 @@ from cutlass.cute.runtime import AddressSpace, make_fake_stream, make_ptr
 from cutlass.memory.smem import SmemAllocator
 import cuda.bindings.driver as cuda
 
-from ..common.pool_protocol import OPS, check_protocol, check_saved_u, output_target, strides3, unit_last
+from ..common.pool_protocol import (OPS, check_pending, check_protocol, check_saved_u, output_target, strides3,
+                                    unit_last)
 
 OP_DECODE, OP_BUFFER, OP_SLOTS, OP_DEFERRED, OP_COMMIT = range(len(OPS))
 FAMILIES = ("gdn", "kda", "lightning")
@@ -924,24 +925,11 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     """
     N, T, HV, V = v.shape
     H, K = k.shape[-2:]
-    if pending is not None and op != "deferred":
-        raise ValueError(f"pending: only a deferred verify commits a pending verify first (op={op!r})")
+    pending_k, pending_g, pending_u, TP = check_pending(op, pending, num_accepted_tokens, N, HV, V, recipe.delta_rule)
     check_protocol(op, state_pool=state_pool, state_indices=state_indices,
                    num_accepted_tokens=None if pending is not None else num_accepted_tokens,
                    intermediate_states=intermediate_states, intermediate_indices=intermediate_indices, T=T)
     check_saved_u(saved_u, op, (N, T, HV, V))
-    pending_k = pending_g = pending_u = None
-    TP = 0
-    if pending is not None:
-        pending_k, pending_g, pending_u = (unit_last(x) for x in pending)
-        TP = pending_k.shape[1]
-        if num_accepted_tokens is None or tuple(num_accepted_tokens.shape) != (N,):
-            raise ValueError(f"num_accepted_tokens: a pending commit needs int32 [N={N}] accepted counts")
-        if pending_u.shape[:2] != (N, TP) or pending_k.shape[0] != N:
-            raise ValueError(f"pending: k and u must be [N={N}, TP, ...] alike, got {list(pending_k.shape)} and "
-                             f"{list(pending_u.shape)}")
-        if recipe.delta_rule:
-            check_saved_u(pending_u, "commit", (N, TP, HV, V))
     family = FAMILIES.index(recipe.mode)
     gate = recipe.fused_gate
     q, k, v = unit_last(q), unit_last(k), unit_last(v)

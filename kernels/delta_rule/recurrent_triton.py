@@ -77,8 +77,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.pool_protocol import (OPS, check_protocol, check_saved_u, check_state_layout, output_target,
-                                    strides3, unit_last)
+from ..common.pool_protocol import (OPS, check_pending, check_protocol, check_saved_u, check_state_layout,
+                                    output_target, strides3, unit_last)
 
 OP_DECODE, OP_BUFFER, OP_SLOTS, OP_DEFERRED, OP_COMMIT = (tl.constexpr(code) for code in range(len(OPS)))
 
@@ -446,18 +446,12 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
     """
     N, T, HV, V = v.shape
     H, K = k.shape[-2:]
-    if pending is not None and op != "deferred":
-        raise ValueError(f"pending: only a deferred verify commits a pending verify first (op={op!r})")
+    pending_k, pending_g, pending_u, TP = check_pending(op, pending, num_accepted_tokens, N, HV, V, saved_u=True)
     kernel_args = protocol_args(op, state_pool=state_pool, state_indices=state_indices,
                                 num_accepted_tokens=None if pending is not None else num_accepted_tokens,
                                 intermediate_states=intermediate_states, intermediate_indices=intermediate_indices,
                                 T=T)
-    pending_k = pending_g = pending_u = None
     if pending is not None:
-        pending_k, pending_g, pending_u = (unit_last(x) for x in pending)
-        check_saved_u(pending_u, "commit", (N, pending_k.shape[1], HV, V))
-        if num_accepted_tokens is None or tuple(num_accepted_tokens.shape) != (N,):
-            raise ValueError(f"num_accepted_tokens: a pending commit needs int32 [N={N}] accepted counts")
         kernel_args["num_accepted"] = num_accepted_tokens
     per_channel = recipe.mode == "kda"
     gate = recipe.fused_gate
@@ -474,7 +468,7 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
             pending_k, pending_g, pending_u,
             *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta), *strides3(target),
             *strides3(saved_u), *strides3(pending_k), *strides3(pending_g), *strides3(pending_u),
-            T=T, TP=0 if pending is None else pending_k.shape[1], scale=recipe.scale, **tile_split(K, bv, per_channel, op),
+            T=T, TP=TP, scale=recipe.scale, **tile_split(K, bv, per_channel, op),
             lower_bound=gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0,
             H=H, HV=HV, K=K, V=V, BV=bv, PER_CHANNEL_GATE=per_channel, FUSED_GATE=gate is not None,
             SAFE_GATE=gate is not None and gate.lower_bound is not None, QK_L2NORM=recipe.qk_l2norm,
