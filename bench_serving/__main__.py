@@ -16,7 +16,9 @@ def main(argv=None) -> int:
     latency = sub.add_parser("decode-latency", help="decode and MTP verify + commit under CUDA-graph replay")
     latency.add_argument("--filter", default="", help="only models whose name contains this")
     latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256, 512])
-    latency.add_argument("--verify-tokens", type=int, nargs="+", default=[2, 4, 8])
+    latency.add_argument("--verify-tokens", type=int, nargs="*", default=[2, 4, 8], help="none: decode only")
+    latency.add_argument("--graph-layers", type=int, default=16,
+                         help="also time decode as one layer of a graph of this many (batch sizes up to 64; 1: off)")
     latency.add_argument("--out-dir", default="bench_results")
     latency.add_argument("--seed", type=int, default=0)
     latency.add_argument("--peers", nargs="*", default=None, help="only these peers (default: every installed one)")

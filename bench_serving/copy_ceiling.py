@@ -23,11 +23,15 @@ def _streaming_copy(source: torch.Tensor, target: torch.Tensor, block: int = 409
                                                                   num_warps=8)
 
 
-def copy_ceiling(elements: int, dtype: torch.dtype, device: torch.device) -> float:
+def copy_ceiling(elements: int, dtype: torch.dtype, device: torch.device, layers: int = 1) -> float:
     """Milliseconds to copy ``elements`` values of ``dtype`` between two buffers on ``device``:
     the faster of ``Tensor.copy_`` and a streaming Triton copy (on an H200, ``copy_`` of 512 MiB
-    ran at 2.7 TB/s, below the decode kernels that move the same bytes)."""
-    source = torch.randn(elements, device=device).to(dtype)
-    target = torch.empty_like(source)
-    return min(time_graph(lambda: target.copy_(source), device),
-               time_graph(lambda: _streaming_copy(source, target), device))
+    ran at 2.7 TB/s, below the decode kernels that move the same bytes). ``layers`` > 1: that many
+    copies, each between its own buffers, in one graph; the time per copy."""
+    pairs = []
+    for _ in range(layers):
+        source = torch.randn(elements, device=device).to(dtype)
+        pairs.append((source, torch.empty_like(source)))
+    copies = (lambda: [target.copy_(source) for source, target in pairs],
+              lambda: [_streaming_copy(source, target) for source, target in pairs])
+    return min(time_graph(copy, device) for copy in copies) / layers

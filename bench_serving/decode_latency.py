@@ -12,6 +12,12 @@ a commit and a verify on the others). The "copy
 ceiling" row copies a decode step's state bytes under the same replay (``copy_ceiling.py``): what
 the bandwidth targets are measured against.
 
+"graph of L layers" rows (``--graph-layers L``, batch sizes up to ``LAYERED_MAX_BATCH``): a model
+captures all its layers in one decode graph, so one replay's launch and the event pair are shared
+by every layer. These rows capture L decode steps, each on its own pool (so each reads its states
+from HBM after the flush), and report the replay's time over L: the per-layer cost inside a model's
+graph, where the single-step rows above carry the whole replay's fixed cost (about 3.5 us on an H100).
+
 Peers (peers.py), each on the same inputs and first checked against the torch reference
 (DESIGN section 7 tolerances: 5e-3 with a float32 pool, 2e-2 with a bfloat16 one; one that
 disagrees is reported and not timed):
@@ -41,6 +47,7 @@ from .plotting import pyplot
 from .timing import time_call, time_graph
 
 PROTOCOLS = ("deferred", "buffer", "slots")
+LAYERED_MAX_BATCH = 64  # L pools of 2 B slots each: at B = 512 a Lightning float32 layer's pool is 4 GiB
 
 
 def tolerance(state_dtype) -> float:
@@ -94,6 +101,35 @@ def _cula_step(mode, kw, pool, slots, columns, T, protocol, backend=None):
         cula_commit(pending, accepted)
         return o
     return run
+
+
+def _time_layers(build, layers: int, device) -> float:
+    """Milliseconds per layer of one CUDA-graph replay of ``layers`` steps, ``build()`` giving each
+    layer's zero-argument step on its own pool."""
+    steps = [build() for _ in range(layers)]
+    return time_graph(lambda: [step() for step in steps], device) / layers
+
+
+def _layered_decode(mode, shape, kw, pool, slots, backends, versions, state_dtype, layers, device, key) -> list:
+    """The "graph of L layers" rows (module docstring) of one batch: cula-serve's backends, FLA
+    (float32 pools) and the copy ceiling, each layer on its own copy of ``pool``."""
+    from .copy_ceiling import copy_ceiling  # Triton: present wherever CUDA torch is
+    elements = slots.shape[0] * shape["HV"] * shape["V"] * shape["K"]
+    state_bytes = 2 * elements * torch.finfo(state_dtype).bits // 8
+    builds = [(f"cula-{name}", lambda name=name: _cula_step(mode, kw, pool.clone(), slots, None, 0, None, name))
+              for name in backends]
+    if versions.get("fla") and state_dtype == torch.float32:
+        builds.append(("fla", lambda: peers.fla_decode(mode, kw, pool[slots.long()].clone())))
+    timings = [(name, _time_layers(build, layers, device)) for name, build in builds]
+    timings.append(("copy ceiling", copy_ceiling(elements, state_dtype, device, layers=layers)))
+    rows = []
+    for name, ms in timings:
+        rows.append(dict(**key, op="decode", backend=name, T=1, layers=layers, ms=ms,
+                         TBps=state_bytes / (ms * 1e-3) / 1e12))
+        print(f"{key['model']:12s} {key['state']:9s} B{key['B']:<4d} decode, graph of {layers:<3d}  {name:12s} "
+              f"{ms * 1e3:8.1f} us {rows[-1]['TBps']:6.2f} TB/s per layer", flush=True)
+    torch.cuda.empty_cache()
+    return rows
 
 
 def _reference(mode, kw, pool, slots, columns, T, protocol):
@@ -235,6 +271,9 @@ def main(args) -> int:
                                  ms=ceiling_ms, TBps=state_bytes / (ceiling_ms * 1e-3) / 1e12))
                 print(f"{model:12s} {state:9s} B{B:<4d} decode                {'copy ceiling':12s} "
                       f"{ceiling_ms * 1e3:8.1f} us {rows[-1]['TBps']:6.2f} TB/s", flush=True)
+                if args.graph_layers > 1 and B <= LAYERED_MAX_BATCH:
+                    rows += _layered_decode(mode, shape, kw, pool, slots, backends, versions, state_dtype,
+                                            args.graph_layers, device, dict(model=model, state=state, B=B))
                 first = decode_ms[backends[0]]
                 steps = _peer_steps(mode, kw, pool, slots, columns, 0, state_dtype, versions)
                 if steps:
@@ -284,7 +323,7 @@ def plot(rows, path: Path):
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(16, 6))
-    decode = [r for r in rows if r["op"] == "decode" and "TBps" in r]
+    decode = [r for r in rows if r["op"] == "decode" and "TBps" in r and "layers" not in r]
     for key in dict.fromkeys((r["model"], r["state"], r["backend"]) for r in decode):
         line = sorted((r["B"], r["TBps"]) for r in decode if (r["model"], r["state"], r["backend"]) == key)
         left.plot(*zip(*line), marker="o", label=" ".join(key))
@@ -301,9 +340,9 @@ def plot(rows, path: Path):
                           if (r["model"], r["op"], r["backend"]) == key and r["B"] == B)
             right.plot(*zip(*line), marker="o", label=f"{key[0]} {key[1].split()[-1]} {key[2]}")
         right.set_title(f"cula-serve verify + commit, float32 pool, B = {B}")
+        right.legend(fontsize=7)
     right.set_xlabel("verify tokens T")
     right.set_ylabel("time over one decode step (lower is better)")
-    right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")

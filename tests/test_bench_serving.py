@@ -532,3 +532,22 @@ def test_peer_selection(fresh_peer_status, monkeypatch):
     assert peers.select(None) == peers.peer_status()
     with pytest.raises(ValueError, match="unknown"):
         peers.select(["flashattention"])
+
+
+def test_layered_decode_reports_one_layer_of_a_graph_of_distinct_steps(monkeypatch):
+    """``--graph-layers L``: one graph replays L steps, each built anew (its own pool), and the row
+    is the replay's time over L."""
+    built, ran = [], []
+
+    def build():
+        layer = len(built)
+        built.append(layer)
+        return lambda: ran.append(layer)
+
+    def replay(fn, device):
+        fn()
+        return 8.0
+
+    monkeypatch.setattr(decode_latency, "time_graph", replay)
+    assert decode_latency._time_layers(build, 4, torch.device("cpu")) == 2.0
+    assert sorted(ran) == [0, 1, 2, 3]

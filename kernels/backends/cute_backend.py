@@ -80,8 +80,9 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
     run it: where the Triton kernels measured faster (BENCHMARKS.md).
 
     Decode below 2048 heads (B < 64 at 32 heads), CUDA-graph replay, H200, 2026-11-24: slower
-    than Triton there (GDN B = 8: 15.9 against 14.6 us, B = 1: 7.3 against 6.8); from B = 64 on
-    as fast or faster. Verify and commit: faster, or within 5% (Lightning at B = 1 and 8), from
+    than Triton there (GDN B = 8: 15.9 against 14.6 us, B = 1: 7.3 against 6.8; per layer of a
+    16-layer graph on an H100, 2026-11-25: B = 1 4.8 against 3.9, B = 8 15.0 against 14.3); from
+    B = 64 on as fast or faster. Verify and commit: faster, or within 5% (Lightning at B = 1 and 8), from
     B = 1 on (T = 4 deferred verify + commit, GDN B = 64: 128.0 against 152.8 us).
 
     Prefill where the CuTe DSL kernel's CTAs (one per sequence and value head) would fill less
