@@ -24,6 +24,7 @@ import cuda.bindings.driver as cuda
 
 from ..delta_rule.recurrent_cute import pointer
 from .chunking import CHUNK_SIZE
+from .cute_launch import FastLaunch
 from .prep import L2NORM_EPS
 
 C = CHUNK_SIZE
@@ -380,9 +381,10 @@ SCALARS = (64, 1, 1, 0, C, 0, 1.0)  # T, N, P, num_checkpoints, checkpoint_every
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(launcher, names: tuple, dtypes: tuple, constexprs: tuple, extra_scalars: int):
+def _compiled(launcher, names: tuple, dtypes: tuple, constexprs: tuple, extra_scalars: int) -> FastLaunch:
     fake = [pointer(dt, 1 << 20, name in ALIGNED) for name, dt in zip(names, dtypes)]
-    return cute.compile(launcher, *fake, *SCALARS, *(C,) * extra_scalars, make_fake_stream(), **dict(constexprs))
+    compiled = cute.compile(launcher, *fake, *SCALARS, *(C,) * extra_scalars, make_fake_stream(), **dict(constexprs))
+    return FastLaunch(compiled, launcher)
 
 
 def launch(launcher, names: tuple, tensors: tuple, scalars: tuple, constexprs: tuple, device: torch.device):
@@ -390,11 +392,14 @@ def launch(launcher, names: tuple, tensors: tuple, scalars: tuple, constexprs: t
     any further Int32 scalars, a stream and ``constexprs``) on ``tensors`` (None: never read, a
     null int32 pointer), compiled once per configuration. Host work per call is kept small (it is
     not hidden behind the kernel when the GPU waits on it): strides and flags are compile-time,
+    the arguments go to the compiled program as raw values (``cute_launch.FastLaunch``), and
     devices are switched only when the tensors sit on another one."""
     dtypes = tuple(torch.int32 if x is None else x.dtype for x in tensors)
     compiled = _compiled(launcher, names, dtypes, constexprs, len(scalars) - len(SCALARS))
-    pointers = [pointer(dt, 0 if x is None else x.data_ptr(), name in ALIGNED)
-                for name, dt, x in zip(names, dtypes, tensors)]
+    addresses = [0 if x is None else x.data_ptr() for x in tensors]
     here = device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if here else torch.cuda.device(device):
-        compiled(*pointers, *scalars, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+        stream = torch.cuda.current_stream().cuda_stream
+        compiled([*addresses, *scalars, stream], lambda: [
+            *(pointer(dt, address, name in ALIGNED) for name, dt, address in zip(names, dtypes, addresses)),
+            *scalars, cuda.CUstream(stream)])

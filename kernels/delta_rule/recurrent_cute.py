@@ -84,6 +84,7 @@ from cutlass.cute.runtime import AddressSpace, make_fake_stream, make_ptr
 from cutlass.memory.smem import SmemAllocator
 import cuda.bindings.driver as cuda
 
+from ..common.cute_launch import FastLaunch
 from ..common.pool_protocol import (OPS, check_pending, check_protocol, check_saved_u, output_target, strides3,
                                     unit_last)
 
@@ -842,7 +843,7 @@ def _compiled(dtypes: tuple, constexprs: tuple):
     vector = config["VECTOR_POOL"]
     fake = [pointer(dt, 1 << 20, vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
     scalars = [1, 1] + [1] * 35 + [1.0, 0.0]
-    return cute.compile(_launch, *fake, *scalars, make_fake_stream(), **config)
+    return FastLaunch(cute.compile(_launch, *fake, *scalars, make_fake_stream(), **config), _launch)
 
 
 def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype,
@@ -964,19 +965,20 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                   ("STAGE", stage))
     compiled = _compiled(dtypes, constexprs)
     vector = dict(constexprs)["VECTOR_POOL"]
-    pointers = [pointer(dt, 0 if tensors[name] is None else tensors[name].data_ptr(),
-                        vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
+    addresses = [0 if tensors[name] is None else tensors[name].data_ptr() for name in _POINTERS]
     buffer_strides = buffer.stride()[:2] if buffer is not None else (0, 0)
+    scalars = [N, indices.shape[1],
+               *strides3(q), *strides3(k), *strides3(v), *g_strides, *strides3(beta), *strides3(target),
+               *strides3(saved_u), indices.stride(0), indices.stride(1),
+               state_pool.stride(0), *buffer_strides,
+               *strides3(pending_k), *(strides3(pending_g) if family != LIGHTNING else (0, 0, 0)),
+               *strides3(pending_u),
+               recipe.scale, gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0]
     with torch.cuda.device(v.device):
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        compiled(*pointers, N, indices.shape[1],
-                 *strides3(q), *strides3(k), *strides3(v), *g_strides, *strides3(beta), *strides3(target),
-                 *strides3(saved_u), indices.stride(0), indices.stride(1),
-                 state_pool.stride(0), *buffer_strides,
-                 *strides3(pending_k), *(strides3(pending_g) if family != LIGHTNING else (0, 0, 0)),
-                 *strides3(pending_u),
-                 recipe.scale, gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0,
-                 stream)
+        stream = torch.cuda.current_stream().cuda_stream
+        compiled([*addresses, *scalars, stream], lambda: [
+            *(pointer(dt, address, vector and name in ("pool", "buffer"))
+              for name, dt, address in zip(_POINTERS, dtypes, addresses)), *scalars, cuda.CUstream(stream)])
     if target is not out:
         out.copy_(target)
     return out
