@@ -3,7 +3,7 @@
 Called with Python arguments, a compiled ``cute.jit`` function marshals every one through the
 DSL's generic path before the C call: it rectifies the signature, casts each scalar to its
 annotated type, and the caller has built a pointer object per tensor and a ``CUstream``. For the
-prefill launchers' 25 runtime arguments that is most of a call's host time (an H100 host,
+GDN prefill launcher's 24 runtime arguments that is most of a call's host time (an H100 host,
 2026-11-25: ``cute_prefill.launch`` took 135 of a GDN call's 286 us), which eager prefills of
 short sequences wait on. ``FastLaunch`` keeps one ctypes cell per runtime argument, writes the
 call's values (tensor addresses, ints, floats, the stream handle) into them and hands the cells'
@@ -12,8 +12,11 @@ call on an H100 machine (the DSL's path -> this): GDN prefill 1 x 2048 324 -> 20
 271 -> 149, Lightning 8 x 1024 184 -> 115, GDN decode B = 1 312 -> 172, T = 4 verify 299 -> 137.
 
 The first call of each compiled configuration also builds the DSL's own arguments and checks
-that they marshal to the same values in the same order and widths; a configuration that does
-not (another DSL version) keeps calling through the DSL.
+that they marshal to as many values, in the same order, equal to the cells' (a configuration
+that does not, say under another DSL version, keeps calling through the DSL). The cells' widths
+are the DSL's own (its ``Integer`` types marshal as ``c_int<width>``, ``Float32`` as ``c_float``,
+pointers and the stream as addresses), which the check cannot see: nvidia-cutlass-dsl stays
+pinned below 5.
 """
 from __future__ import annotations
 

@@ -837,8 +837,9 @@ def pointer(dtype: torch.dtype, address: int, vector: bool = False):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(dtypes: tuple, constexprs: tuple):
-    """The compiled launcher for one configuration: ``dtypes`` of the ``_POINTERS`` (in order),
-    ``constexprs`` the (name, value) pairs of ``_launch``'s compile-time arguments."""
+    """The compiled launcher (a ``FastLaunch``) for one configuration: ``dtypes`` of the
+    ``_POINTERS`` (in order), ``constexprs`` the (name, value) pairs of ``_launch``'s compile-time
+    arguments."""
     config = dict(constexprs)
     vector = config["VECTOR_POOL"]
     fake = [pointer(dt, 1 << 20, vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
