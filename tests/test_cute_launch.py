@@ -54,17 +54,22 @@ def test_runtime_cell_types_skip_constexprs_and_refuse_what_they_cannot_marshal(
         runtime_cell_types(odd)
 
 
+def _dsl_args(addresses, scalars, stream):
+    """The fakes' stand-in for the DSL's arguments (pointers are plain addresses here)."""
+    return [*addresses, *scalars, _Stream(stream)]
+
+
 def test_values_reach_the_program_through_the_cells():
     compiled = _FakeCompiled(TYPES)
-    launch = FastLaunch(compiled, _launcher)
     built = []
 
-    def dsl_args(values):
+    def dsl_args(addresses, scalars, stream):
         built.append(1)
-        return [values[0], values[1], values[2], values[3], _Stream(values[4])]
+        return _dsl_args(addresses, scalars, stream)
 
-    for values in ([0x7F0000001000, 64, 1 << 40, 0.5, 0xABC000], [0, 7, 3, -1.25, 0xDEF000]):
-        launch(list(values), lambda: dsl_args(values))
+    launch = FastLaunch(compiled, _launcher, dsl_args)
+    for address, scalars, stream in ((0x7F0000001000, (64, 1 << 40, 0.5), 0xABC000), (0, (7, 3, -1.25), 0xDEF000)):
+        launch([address], scalars, stream)
     assert launch.fast is True and not compiled.calls
     assert compiled.runs == [[0x7F0000001000, 64, 1 << 40, 0.5, 0xABC000], [None, 7, 3, -1.25, 0xDEF000]]
     assert len(built) == 1, "the DSL's arguments are built for the first call's check only"
@@ -74,10 +79,9 @@ def test_values_reach_the_program_through_the_cells():
                                     (ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p)])
 def test_a_configuration_that_marshals_otherwise_keeps_the_dsl_path(widths):
     compiled = _FakeCompiled(widths)
-    launch = FastLaunch(compiled, _launcher)
-    values = [0x7F0000001000, 64, 1 << 40, 0.1, 0xABC000]
+    launch = FastLaunch(compiled, _launcher, _dsl_args)
     for _ in range(2):
-        launch(values, lambda: [*values[:4], _Stream(values[4])])
+        launch([0x7F0000001000], (64, 1 << 40, 0.1), 0xABC000)
     assert launch.fast is False and not compiled.runs and len(compiled.calls) == 2
 
 
@@ -108,6 +112,7 @@ def dsl_args(scalars):
 
 
 assert launch._marshals_like_the_dsl([*addresses, *scalars, stream], dsl_args(scalars))
+assert launch._marshals_like_the_dsl([*addresses, *scalars, stream], launch._dsl_args(addresses, scalars, stream))
 assert not launch._marshals_like_the_dsl([*addresses, *scalars, stream], dsl_args(scalars[:-1] + [513]))
 
 dtypes = (bf16, bf16, bf16, f32, bf16, bf16, f32, f32, f32, f32, f32, i32, i32, f32, f32, f32, f32)
@@ -120,6 +125,7 @@ scalars = [64, 1, *range(100, 135), 0.08838, -5.0]
 dsl = [*(recurrent_cute.pointer(dt, a, name in ("pool", "buffer"))
          for name, dt, a in zip(recurrent_cute._POINTERS, dtypes, addresses)), *scalars, cuda.CUstream(stream)]
 assert launch._marshals_like_the_dsl([*addresses, *scalars, stream], dsl)
+assert launch._marshals_like_the_dsl([*addresses, *scalars, stream], launch._dsl_args(addresses, scalars, stream))
 print("ok")
 """
 

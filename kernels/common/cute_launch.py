@@ -50,16 +50,18 @@ def _address(exe_arg) -> int:
 
 
 class FastLaunch:
-    """A compiled launcher called with raw values: ``launch(values, dsl_args)``.
+    """A compiled launcher called with raw values: ``launch(addresses, scalars, stream)``.
 
-    ``values``: the runtime arguments in order, as plain numbers (tensor addresses, 0 for an
-    absent tensor; ints; floats; the stream handle). ``dsl_args()``: the same arguments as the
-    DSL takes them (pointer objects, ``cuda.CUstream``), built only on a configuration's first
-    call, for the check, and wherever the check failed.
+    ``addresses``: the pointer arguments' tensor addresses (0 for an absent tensor); ``scalars``:
+    the scalar arguments as Python numbers; ``stream``: the CUDA stream's handle.
+    ``dsl_args(addresses, scalars, stream)`` builds the same arguments as the DSL takes them
+    (pointer objects, ``cuda.CUstream``): used on a configuration's first call, for the check,
+    and on every call where the check failed.
     """
 
-    def __init__(self, compiled, launcher):
+    def __init__(self, compiled, launcher, dsl_args: Callable[[list, list, int], list]):
         self.compiled = compiled
+        self._dsl_args = dsl_args
         self._types = runtime_cell_types(launcher)
         self._local = threading.local()  # each thread writes its own cells
         self.fast = None  # unchecked; then whether the cells marshal as the DSL does
@@ -81,13 +83,14 @@ class FastLaunch:
         del adapted  # kept alive until the comparison is done
         return True
 
-    def __call__(self, values: list, dsl_args: Callable[[], list]):
+    def __call__(self, addresses: list, scalars, stream: int):
+        values = [*addresses, *scalars, stream]
         if self.fast is None:
-            self.fast = self._marshals_like_the_dsl(values, dsl_args())
+            self.fast = self._marshals_like_the_dsl(values, self._dsl_args(addresses, scalars, stream))
         if not self.fast:
-            self.compiled(*dsl_args())
+            self.compiled(*self._dsl_args(addresses, scalars, stream))
             return
-        cells, addresses = self._cells()
+        cells, cell_addresses = self._cells()
         for cell, value in zip(cells, values):
             cell.value = value
-        self.compiled.run_compiled_program(addresses)
+        self.compiled.run_compiled_program(cell_addresses)

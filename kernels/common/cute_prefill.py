@@ -19,10 +19,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_stream
-import cuda.bindings.driver as cuda
 
-from ..delta_rule.recurrent_cute import pointer
+from ..delta_rule.recurrent_cute import compile_launcher
 from .chunking import CHUNK_SIZE
 from .cute_launch import FastLaunch
 from .prep import L2NORM_EPS
@@ -382,9 +380,8 @@ SCALARS = (64, 1, 1, 0, C, 0, 1.0)  # T, N, P, num_checkpoints, checkpoint_every
 
 @functools.lru_cache(maxsize=None)
 def _compiled(launcher, names: tuple, dtypes: tuple, constexprs: tuple, extra_scalars: int) -> FastLaunch:
-    fake = [pointer(dt, 1 << 20, name in ALIGNED) for name, dt in zip(names, dtypes)]
-    compiled = cute.compile(launcher, *fake, *SCALARS, *(C,) * extra_scalars, make_fake_stream(), **dict(constexprs))
-    return FastLaunch(compiled, launcher)
+    return compile_launcher(launcher, tuple((dtype, name in ALIGNED) for name, dtype in zip(names, dtypes)),
+                            (*SCALARS, *(C,) * extra_scalars), dict(constexprs))
 
 
 def launch(launcher, names: tuple, tensors: tuple, scalars: tuple, constexprs: tuple, device: torch.device):
@@ -399,7 +396,4 @@ def launch(launcher, names: tuple, tensors: tuple, scalars: tuple, constexprs: t
     addresses = [0 if x is None else x.data_ptr() for x in tensors]
     here = device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if here else torch.cuda.device(device):
-        stream = torch.cuda.current_stream().cuda_stream
-        compiled([*addresses, *scalars, stream], lambda: [
-            *(pointer(dt, address, name in ALIGNED) for name, dt, address in zip(names, dtypes, addresses)),
-            *scalars, cuda.CUstream(stream)])
+        compiled(addresses, scalars, torch.cuda.current_stream().cuda_stream)

@@ -835,16 +835,28 @@ def pointer(dtype: torch.dtype, address: int, vector: bool = False):
     return make_ptr(DTYPES[dtype], address, AddressSpace.gmem, assumed_align=16 if vector else dtype.itemsize)
 
 
+def compile_launcher(launcher, pointers: tuple, scalars: tuple, constexprs: dict) -> FastLaunch:
+    """``launcher`` (a ``cute.jit`` function of pointer arguments, then scalars, then a stream)
+    compiled for ``pointers`` ((torch dtype, 16-byte aligned) of each pointer argument), example
+    ``scalars`` and ``constexprs``, called as ``launch(addresses, scalars, stream handle)``
+    (``cute_launch.FastLaunch``; the DSL's own arguments are built here too, for its check)."""
+    fake = [pointer(dtype, 1 << 20, vector) for dtype, vector in pointers]
+    compiled = cute.compile(launcher, *fake, *scalars, make_fake_stream(), **constexprs)
+
+    def dsl_args(addresses, scalars, stream):
+        return [*(pointer(dtype, address, vector) for (dtype, vector), address in zip(pointers, addresses)),
+                *scalars, cuda.CUstream(stream)]
+    return FastLaunch(compiled, launcher, dsl_args)
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(dtypes: tuple, constexprs: tuple):
-    """The compiled launcher (a ``FastLaunch``) for one configuration: ``dtypes`` of the
-    ``_POINTERS`` (in order), ``constexprs`` the (name, value) pairs of ``_launch``'s compile-time
-    arguments."""
+def _compiled(dtypes: tuple, constexprs: tuple) -> FastLaunch:
+    """The compiled launcher for one configuration: ``dtypes`` of the ``_POINTERS`` (in order),
+    ``constexprs`` the (name, value) pairs of ``_launch``'s compile-time arguments."""
     config = dict(constexprs)
-    vector = config["VECTOR_POOL"]
-    fake = [pointer(dt, 1 << 20, vector and name in ("pool", "buffer")) for name, dt in zip(_POINTERS, dtypes)]
-    scalars = [1, 1] + [1] * 35 + [1.0, 0.0]
-    return FastLaunch(cute.compile(_launch, *fake, *scalars, make_fake_stream(), **config), _launch)
+    pointers = tuple((dtype, config["VECTOR_POOL"] and name in ("pool", "buffer"))
+                     for name, dtype in zip(_POINTERS, dtypes))
+    return compile_launcher(_launch, pointers, (1, 1, *(1,) * 35, 1.0, 0.0), config)
 
 
 def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype,
@@ -965,7 +977,6 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                   ("VECTOR_POOL", _vector_pool(state_pool, buffer)), ("WARPS", warps),
                   ("STAGE", stage))
     compiled = _compiled(dtypes, constexprs)
-    vector = dict(constexprs)["VECTOR_POOL"]
     addresses = [0 if tensors[name] is None else tensors[name].data_ptr() for name in _POINTERS]
     buffer_strides = buffer.stride()[:2] if buffer is not None else (0, 0)
     scalars = [N, indices.shape[1],
@@ -976,10 +987,7 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                *strides3(pending_u),
                recipe.scale, gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0]
     with torch.cuda.device(v.device):
-        stream = torch.cuda.current_stream().cuda_stream
-        compiled([*addresses, *scalars, stream], lambda: [
-            *(pointer(dt, address, vector and name in ("pool", "buffer"))
-              for name, dt, address in zip(_POINTERS, dtypes, addresses)), *scalars, cuda.CUstream(stream)])
+        compiled(addresses, scalars, torch.cuda.current_stream().cuda_stream)
     if target is not out:
         out.copy_(target)
     return out
