@@ -98,3 +98,32 @@ def test_backend_call_error_refuses_or_passes_on(monkeypatch):
     assert dispatch.select("prefill", cpu, None, always, workload("gdn")) is torch_module
     with pytest.raises(ValueError, match="no gdn prefill"):
         dispatch.select("prefill", cpu, "cute", always, workload("gdn"))
+
+
+def test_cute_gives_delta_rule_decode_to_triton():
+    """On SM90 the Triton decode is as fast or faster for GDN and KDA at every batch size, and for
+    Lightning below 2048 heads (``cute_backend.defers``); verify stays with the CuTe DSL kernel."""
+    from cula_serve.kernels.backends import cute_backend
+    for mode, N, HV in (("gdn", 1, 32), ("gdn", 256, 32), ("kda", 64, 32), ("lightning", 8, 64)):
+        assert cute_backend.defers("decode", mode=mode, N=N, T=1, HV=HV), (mode, N)
+    assert cute_backend.defers("decode", mode="lightning", N=32, T=1, HV=64) is None
+    assert cute_backend.defers("verify", mode="gdn", N=64, T=4, HV=32) is None
+
+
+def test_triton_recurrent_tiles_per_op():
+    """``block_v`` on a GPU: streaming ops (decode, commit) on at most 8 columns; GDN and KDA
+    verifies from 2048 heads on 16, except GDN's deferred verify on a float32 pool; Lightning's
+    verifies as wide as the grid allows; one warp per 4096 state floats."""
+    from cula_serve.kernels.delta_rule.recurrent_triton import block_v
+    gpu, bf16 = torch.device("cuda"), torch.bfloat16
+    assert block_v(1, 32, 128, 128, gpu) == (4, 1)
+    assert block_v(256, 32, 128, 128, gpu, "decode") == (8, 1)
+    assert block_v(256, 32, 128, 128, gpu, "commit", "kda") == (8, 1)
+    assert block_v(64, 32, 128, 128, gpu, "deferred") == (8, 1)
+    assert block_v(256, 32, 128, 128, gpu, "deferred") == (32, 1)
+    assert block_v(64, 32, 128, 128, gpu, "deferred", "gdn", bf16) == (16, 1)
+    assert block_v(256, 32, 128, 128, gpu, "deferred", "kda") == (16, 1)
+    assert block_v(256, 32, 128, 128, gpu, "buffer") == (16, 1)
+    assert block_v(256, 64, 128, 128, gpu, "buffer", "lightning") == (32, 1)
+    assert block_v(8, 32, 128, 128, gpu, "slots", "kda") == (4, 1)
+    assert block_v(1, 32, 128, 128, torch.device("cpu"), "deferred") == (32, 1)

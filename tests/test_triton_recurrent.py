@@ -110,10 +110,10 @@ def test_narrow_tiles_split_lanes_along_v(mode, columns, shape, monkeypatch, gen
     takes 8 lanes along K and a decode 16. Decode and a deferred verify + commit against the
     oracle."""
     from cula_serve.kernels.delta_rule import recurrent_triton
-    monkeypatch.setattr(recurrent_triton, "block_v", lambda N, HV, K, V, device: (columns, 1))
+    monkeypatch.setattr(recurrent_triton, "block_v", lambda *shape, **op: (columns, 1))
     if mode == "lightning":
         from cula_serve.kernels.lightning import recurrent_triton as lightning_recurrent
-        monkeypatch.setattr(lightning_recurrent, "block_v", lambda N, HV, K, V, device: (columns, 1))
+        monkeypatch.setattr(lightning_recurrent, "block_v", lambda *shape, **op: (columns, 1))
     split = recurrent_triton.tile_split(shape["K"], columns, mode == "kda", "deferred")
     # 8 lanes x 4 channels along K (all of K = 32; at K = 128 the 32-column split), so 4 lane groups along V
     assert split["LV"] == (1 if mode == "kda" else 4) and split["NORM_ON_ROWS"] == (mode != "kda")

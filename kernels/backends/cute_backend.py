@@ -79,19 +79,23 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
     """Why automatic dispatch should pass this call to the next backend although this one can
     run it: where the Triton kernels measured faster (BENCHMARKS.md).
 
-    Decode below 2048 heads (B < 64 at 32 heads), CUDA-graph replay, H200, 2026-11-24: slower
-    than Triton there (GDN B = 8: 15.9 against 14.6 us, B = 1: 7.3 against 6.8; per layer of a
-    16-layer graph on an H100, 2026-11-25: B = 1 4.8 against 3.9, B = 8 15.0 against 14.3); from
-    B = 64 on as fast or faster. Verify and commit: faster, or within 5% (Lightning at B = 1 and 8), from
-    B = 1 on (T = 4 deferred verify + commit, GDN B = 64: 128.0 against 152.8 us).
+    Decode of GDN and KDA at every size, and of Lightning below 2048 heads (B < 32 at 64 heads).
+    CUDA-graph replay, H200, 2026-11-26, us, Triton / ours: GDN float32 B = 64 72.0 / 75.1, B = 256
+    270.8 / 274.1; bfloat16 41.5 / 41.6, 145.4 / 144.4; KDA float32 72.6 / 75.4, 271.5 / 275.7;
+    bfloat16 41.0 / 42.7, 145.4 / 148.3 (many one-warp programs keep more loads in flight than
+    our CTAs). Lightning, twice the state per sequence: ours from 2048 heads (bfloat16 B = 256
+    279.2 against 293.6); below, Triton (H200, 2026-11-24: GDN B = 8 14.6 against 15.9, B = 1 6.8
+    against 7.3; per layer of a 16-layer graph on an H100: B = 1 3.9 against 4.8). Verify and
+    commit: faster, or within 5% (Lightning at B = 1 and 8), from B = 1 on (T = 4 with a pending
+    commit, H200, B = 64: GDN float32 96.6 against 124.0 us, Lightning 165.7 against 249.1).
 
     Prefill where the CuTe DSL kernel's CTAs (one per sequence and value head) would fill less
     than ``PREFILL_MIN_SM_SHARE`` of the SMs, the Triton kernel cuts the batch into segments and
     ours does not (Lightning never; GDN with checkpoints or where
     ``segments.one_pass_segment_tokens`` finds it not worth it): a TP4 shard's 16 Lightning heads on one 8192-token sequence, 2.90
     against 1.15 ns per token-head on an H100."""
-    if operation == "decode" and N * HV < 2048:
-        return f"decode of {N} x {HV} heads: the triton kernel is as fast or faster at this size"
+    if operation == "decode" and (mode != "lightning" or N * HV < 2048):
+        return f"{mode} decode of {N} x {HV} heads: the triton kernel is as fast or faster"
     if operation == "prefill":
         from ..common.segments import one_pass_segment_tokens, sm_count
         from ..delta_rule.chunk_triton import planned_segment_tokens as delta_segments

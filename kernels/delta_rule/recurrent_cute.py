@@ -15,12 +15,15 @@ protocol (constexpr ``OP``; the table of what each op reads and writes is in
 ``recurrent_triton.py``). The deferred verify can save every token's u for its commit
 (``saved_u``), which then applies ``S = Diag(exp(g_t)) S + k_t u_t^T`` without reductions.
 
-Thread mapping. The state is K-last (``pool[slot, hv, v, :]`` is column v of S, K contiguous).
-G lanes share a column, each holding a run of CH = K / G of its channels, for R columns; a warp
-thus owns R * 32 / G consecutive columns of one (sequence, value head), a CTA WARPS warps of them;
-the grid is (N * HV, V / (R * 32 / G * WARPS)). ``launch_shape`` picks (R, G, WARPS) per op and
-pool dtype from sweeps. The R x CH floats stay in registers for all T tokens: every state element
-is read once and written at most once per call (plus the states a buffer / slots verify keeps).
+Thread mapping. The state is K-last (``pool[slot, hv, v, :]`` is column v of S, K contiguous). G
+lanes share a column, each holding a run of CH = K / G of its channels, for R columns; a warp thus
+owns R * 32 / G consecutive columns of one (sequence, value head), a CTA WARPS warps of them; the
+grid has N * HV * V / (R * 32 / G * WARPS) CTAs on one axis, the V-tile fastest (CTAs launched
+together read neighbouring pieces of a state: H200, T = 4 with a pending commit at B = 64, GDN
+float32 100.9 -> 96.6 us, KDA 109.7 -> 105.7, Lightning 176.2 -> 165.7). ``launch_shape`` picks
+(R, G, WARPS) per op and pool dtype from sweeps. The R x CH floats stay in registers for all T
+tokens: every state element is read once and written at most once per call (plus the states a
+buffer / slots verify keeps).
 
 Reductions. A token reduces every column over K (``S^T k``, ``S^T q``): R partial sums per lane,
 each spread over the G lanes of a group. They are reduce-scattered (``_scatter_sum``): at each of
@@ -537,7 +540,11 @@ def _recurrent_kernel(
     KNOWN_U = not DELTA or (OP == OP_COMMIT and SAVED_U)  # u needs no reduction: v (Lightning) or saved
     lane = cute.arch.thread_idx()[0] % 32
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    i_nh, i_vt, _ = cute.arch.block_idx()
+    # a one-axis grid, the V-tile fastest: CTAs launched together read neighbouring pieces of a state
+    TILES = V // (COLS * WARPS)
+    cta, _, _ = cute.arch.block_idx()
+    i_nh = cta // TILES
+    i_vt = cta % TILES
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -818,7 +825,7 @@ def _launch(
         state_indices, num_accepted, buffer_rows, scale, lower_bound,
         T, TP, H, HV, K, V, R, G, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS,
         STAGE,
-    ).launch(grid=(N * HV, V // columns_per_cta, 1), block=(32 * WARPS, 1, 1), stream=stream)
+    ).launch(grid=(N * HV * (V // columns_per_cta), 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ per-channel gate broadcast over K (a constexpr flag picks the load). Per value h
 with the call's ``Recipe`` fused into the loads: qk l2norm, the gate from the raw projection
 (``FusedGate``: GDN / KDA softplus gate with optional dt_bias, KDA safe gate), beta's sigmoid.
 
-Grid and tiling: one program per (sequence, value head, V-tile of BV columns); axis 0 is
-``n * HV + hv`` (it may exceed the 65535 limit of axes 1 and 2), axis 1 the V-tile. The columns of
-S evolve independently (``S^T k`` and ``k u^T`` act column by column), so a program owns the
-K x BV slice ``pool[slot, hv, v0:v0+BV, :]`` and keeps it in registers for all T tokens: every
-state element is read once and written once per call, whatever T is.
+Grid and tiling: one program per (sequence, value head, V-tile of BV columns) on a one-axis grid,
+the V-tile fastest (``head_and_tile``), BV per op (``block_v``). The columns of S evolve
+independently (``S^T k`` and ``k u^T`` act column by column), so a program owns the K x BV slice
+``pool[slot, hv, v0:v0+BV, :]`` and keeps it in registers for all T tokens: every state element is
+read once and written once per call, whatever T is.
 
 The slice is held as a [LV, BV // LV, K // KL, KL] block (``state_tile``; ``tile_split`` picks LV
 and KL). Every token reduces each state column over K (``S^T k``, and ``S^T q`` for an output);
@@ -112,6 +112,14 @@ def tokens_to_run(num_accepted, i_n, live, T, OP: tl.constexpr):
     else:
         count = tl.where(live, T, 0)
     return count
+
+
+@triton.jit
+def head_and_tile(V: tl.constexpr, BV: tl.constexpr):
+    """(n * HV + hv, V-tile) of this program on a one-axis grid of N * HV * (V // BV) programs,
+    the V-tile fastest: programs launched together read neighbouring pieces of one state."""
+    pid = tl.program_id(0)
+    return pid // (V // BV), pid % (V // BV)
 
 
 @triton.jit
@@ -259,8 +267,7 @@ def _delta_rule_recurrent_kernel(
     PER_CHANNEL_GATE: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_L2NORM: tl.constexpr,
     BETA_LOGITS: tl.constexpr, SAVED_U: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)
-    i_v = tl.program_id(1)
+    i_nh, i_v = head_and_tile(V, BV)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -349,22 +356,42 @@ def device_guard(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def block_v(N: int, HV: int, K: int, V: int, device: torch.device) -> tuple[int, int]:
-    """(BV, num_warps) for a [N, HV] grid of heads with V columns each.
+def block_v(N: int, HV: int, K: int, V: int, device: torch.device, op: str = "decode", mode: str = "gdn",
+            state_dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """(BV, num_warps) of ``op`` for a [N, HV] grid of heads with V columns each.
 
-    Measured on an H200 (decode, K = V = 128, CUDA-graph replay, states from HBM): one warp per
-    program and as many programs as it takes to reach about 32K of them is best at every batch
-    size, because this kernel is pure memory traffic and many small programs keep the most loads
-    in flight. So BV shrinks from 32 (B = 256) to 4 (B = 1); the sweep's best were 6.9 us at
-    B = 1, 3.56 TB/s at B = 64 and 3.69 TB/s at B = 256 for GDN 16/32 heads. Wider K needs proportionally more threads to hold the K x BV slice in registers.
-    The interpreter (CPU) runs programs one after another: there fewer, wider programs are faster.
+    One warp per program; BV grows from 4 while the grid keeps about 32K programs, then each op
+    caps or raises it. Measured on an H200 (CUDA-graph replay, states from HBM, K = V = 128, 32
+    value heads, one-axis grid; us at B = 64 / 256):
+    - decode and commit (streaming read-modify-writes): at most 8 columns, as many small programs
+      as the grid allows keep the most loads in flight. GDN float32 72.0 / 270.8 us (3.73 / 3.97
+      TB/s) with 8 against 74.0 / 274.0 with 32; bfloat16 at B = 256 145.4 against 152.9, KDA
+      145.4 against 177.4; 4 columns at B = 1.
+    - GDN and KDA verifies from 2048 heads on (B >= 64): 16 columns, so that fewer programs repeat
+      the per-token loads, norms and gates; except GDN's deferred verify on a float32 pool, which
+      keeps 8 at B = 64 and 32 at B = 256 (with a pending commit, T = 4: 124.0 / 428.3 against
+      132.1 / 470.5 with 16). With 16, T = 4 with a pending commit at B = 64: GDN bfloat16 112.4 ->
+      101.7, KDA float32 166.0 -> 147.3, bfloat16 165.7 -> 137.3; at B = 256 against 32: GDN
+      bfloat16 394.9 -> 378.5, KDA 606.0 -> 547.6 and 567.6 -> 535.6; the buffer verify, KDA
+      bfloat16 B = 256, 663.4 -> 578.3 (8: 610.4), the others within 1 %.
+    - Lightning's verifies keep the grown width (bfloat16 B = 256 with a pending commit: 612.7 us
+      with 32 against 689.7 with 16).
+    Two warps per program lost everywhere (up to 8x: the tile split assumes one warp). Wider K
+    needs proportionally more threads to hold the K x BV slice in registers. The interpreter (CPU)
+    runs programs one after another: there fewer, wider programs are faster.
     """
     if device.type != "cuda":
         return min(V, 32), 1
     bv = 4
     while bv < min(V, 32) and N * HV * (V // (2 * bv)) >= 32768:
         bv *= 2
-    return min(bv, V), max(1, K * bv // 4096)
+    if op in ("decode", "commit"):
+        bv = min(bv, 8)
+    elif mode != "lightning" and N * HV >= 2048 and (op != "deferred" or mode == "kda"
+                                                      or state_dtype != torch.float32):
+        bv = 16
+    bv = min(bv, V)
+    return bv, max(1, K * bv // 4096)
 
 
 def token_unroll(T: int, BV: int) -> int:
@@ -461,9 +488,9 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     target = output_target(out)
     check_saved_u(saved_u, op, (N, T, HV, V))
-    bv, num_warps = block_v(N, HV, K, V, v.device)
+    bv, num_warps = block_v(N, HV, K, V, v.device, op, recipe.mode, state_pool.dtype)
     with device_guard(v.device):
-        _delta_rule_recurrent_kernel[(N * HV, V // bv)](
+        _delta_rule_recurrent_kernel[(N * HV * (V // bv),)](
             q, k, v, g, beta, target, None if gate is None else gate.A_log.contiguous(), dt_bias, saved_u,
             pending_k, pending_g, pending_u,
             *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta), *strides3(target),

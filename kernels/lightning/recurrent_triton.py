@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 from ..common.pool_protocol import output_target, strides3, unit_last
-from ..delta_rule.recurrent_triton import (OP_COMMIT, block_v, device_guard, load_buffer_row, load_head_vector,
-                                           load_state, protocol_args, read_slot, rows_dot, state_tile,
-                                           store_final_state, store_token_state, tile_rows, tile_split,
-                                           tokens_to_run)
+from ..delta_rule.recurrent_triton import (OP_COMMIT, block_v, device_guard, head_and_tile, load_buffer_row,
+                                           load_head_vector, load_state, protocol_args, read_slot, rows_dot,
+                                           state_tile, store_final_state, store_token_state, tile_rows,
+                                           tile_split, tokens_to_run)
 
 
 @triton.jit
@@ -35,8 +35,7 @@ def _lightning_recurrent_kernel(
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     LV: tl.constexpr, KL: tl.constexpr, NORM_ON_ROWS: tl.constexpr, OP: tl.constexpr, QK_L2NORM: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)
-    i_v = tl.program_id(1)
+    i_nh, i_v = head_and_tile(V, BV)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -92,9 +91,9 @@ def lightning_recurrent(recipe, q, k, v, decay, *, op, state_pool, state_indices
                                 intermediate_indices=intermediate_indices, T=T)
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
     target = output_target(out)
-    bv, num_warps = block_v(N, HV, K, V, v.device)
+    bv, num_warps = block_v(N, HV, K, V, v.device, op, "lightning")
     with device_guard(v.device):
-        _lightning_recurrent_kernel[(N * HV, V // bv)](
+        _lightning_recurrent_kernel[(N * HV * (V // bv),)](
             q, k, v, decay.contiguous(), target,
             *strides3(q), *strides3(k), *strides3(v), *strides3(target),
             T=T, scale=recipe.scale, H=H, HV=HV, K=K, V=V, BV=bv, QK_L2NORM=recipe.qk_l2norm,
