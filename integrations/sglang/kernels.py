@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
 
 from . import translate

@@ -30,6 +30,7 @@ import torch
 from ..common.chunking import CHUNK_SIZE, pad_tokens, pairwise_decayed, split_chunks
 from ..common.prep import expand_heads
 
+
 def delta_rule_chunked(
     q: torch.Tensor,
     k: torch.Tensor,

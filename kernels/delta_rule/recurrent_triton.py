@@ -387,8 +387,8 @@ def block_v(N: int, HV: int, K: int, V: int, device: torch.device, op: str = "de
         bv *= 2
     if op in ("decode", "commit"):
         bv = min(bv, 8)
-    elif mode != "lightning" and N * HV >= 2048 and (op != "deferred" or mode == "kda"
-                                                      or state_dtype != torch.float32):
+    elif mode != "lightning" and N * HV >= 2048 and (
+            op != "deferred" or mode == "kda" or state_dtype != torch.float32):
         bv = 16
     bv = min(bv, V)
     return bv, max(1, K * bv // 4096)

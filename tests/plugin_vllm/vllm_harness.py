@@ -273,7 +273,6 @@ class Request:
         return len(self.committed)
 
 
-
 def check_row_outputs(out, rows, oracle, tol, first_token=0):
     """Outputs of a batch's rows (``(request, new tokens, _)`` or None) against ``oracle(tokens)``
     -> (o, final): a row's tokens are the request's committed tokens plus the new ones, its
@@ -290,6 +289,7 @@ def check_row_outputs(out, rows, oracle, tol, first_token=0):
         position += len(new)
     assert torch.all(out[position:] == 0), "padding tokens must get zero output"
 
+
 def batch_metadata(rows, *, num_tokens=None) -> CommonAttentionMetadata:
     """vLLM's CommonAttentionMetadata of a batch of ``rows`` in vLLM's order: (request, number of
     new tokens, is_prefilling) per row, None for a CUDA-graph padding row (no tokens, null block)."""
@@ -304,7 +304,6 @@ def batch_metadata(rows, *, num_tokens=None) -> CommonAttentionMetadata:
     return common_metadata(seq_lens, query_lens, table, is_prefilling=flags, num_tokens=num_tokens)
 
 
-
 def build_batch(builder, rows, *, draft_tokens=None, accepted=None, num_tokens=None):
     """vLLM's metadata of a batch of ``rows`` ((request, new tokens, is_prefilling), None for a
     CUDA-graph padding row) from ``builder``, with the MTP arguments when ``draft_tokens`` is given
@@ -315,6 +314,7 @@ def build_batch(builder, rows, *, draft_tokens=None, accepted=None, num_tokens=N
         kwargs = dict(num_decode_draft_tokens_cpu=torch.tensor(draft_tokens, dtype=torch.int32),
                       num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
     return common, builder.build(0, common, **kwargs)
+
 
 def common_metadata(seq_lens, query_lens, block_table, *, is_prefilling=None, num_tokens=None):
     """vLLM's CommonAttentionMetadata for one batch (on the CPU).
