@@ -4,8 +4,9 @@ under CUDA-graph replay, per model shape, batch size, pool dtype and protocol, a
 Each step is captured once and replayed with L2 flushed before every replay (states come from
 HBM, as they do in a model with dozens of layers). verify + commit is captured as one graph, with
 every sequence accepting all T tokens (the most state a commit can move). The ratio column is
-(verify + commit) over one decode step of the same batch: the deferred protocol should cost about
-one decode step (DESIGN section 4), the buffer and slots protocols write T states. The "pending"
+(verify + commit) over the decode step automatic dispatch runs for the same batch (the row marked
+"dispatch"; ``dispatch.automatic_backend``): the deferred protocol should cost about one decode
+step (DESIGN section 4), the buffer and slots protocols write T states. The "pending"
 rows are the deferred protocol's steady state: one ``cula_verify(..., pending=...)`` call that
 commits the previous verify's T tokens and verifies T new ones (one kernel on the cute backend,
 a commit and a verify on the others). The "copy
@@ -26,7 +27,8 @@ disagrees is reported and not timed):
   pool);
 - verify: vLLM's kernel in vLLM's own slots protocol (verify only: vLLM has no commit step) and
   FlashInfer's MTP kernel in SGLang's buffer protocol (verify, then SGLang's torch gather-copy
-  commit). "x cula" is the peer's time over cula-serve's for the same step and protocol.
+  commit). "x cula" is the peer's time over that of the cula-serve backend automatic dispatch picks
+  for the same step and protocol.
 Inputs are the engines' raw gate projections (A_log, dt_bias, beta logits); FLA gets them
 evaluated to prepared gates outside the timed call.
 """
@@ -224,12 +226,19 @@ def _print_peer(model, state, B, T, row):
 
 
 def _cula_backends(device) -> list[str]:
-    """cula-serve's GPU backends that run on ``device``, in dispatch order: each is timed (the
-    first is what dispatch picks for large batches; peers' ratios are against it)."""
+    """cula-serve's GPU backends that run on ``device``, in dispatch order: each is timed."""
     from cula_serve import dispatch
     names = [name for name in dispatch.preference("decode", device) if name != "torch"
              and dispatch.backend_status(name, device)[0] is not None]
     return names or ["torch"]
+
+
+def _dispatched(operation, mode, B, T, shape, device, backends) -> str:
+    """The timed backend automatic dispatch picks for this step (the first timed one if it picks
+    another, e.g. under CULA_BACKEND)."""
+    from cula_serve import dispatch
+    name = dispatch.automatic_backend(operation, device, dict(mode=mode, N=B, T=max(T, 1), HV=shape["HV"]))
+    return name if name in backends else backends[0]
 
 
 def main(args) -> int:
@@ -259,13 +268,16 @@ def main(args) -> int:
                 kw, pool, slots, columns = _inputs(mode, shape, B, 0, state_dtype, device, generator)
                 state_bytes = 2 * B * shape["HV"] * shape["V"] * shape["K"] * torch.finfo(state_dtype).bits // 8
                 decode_ms = {}
+                auto = _dispatched("decode", mode, B, 1, shape, device, backends)
                 for name in backends:
                     decode_ms[name] = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, 0, None, name),
                                                  device)
                     rows.append(dict(model=model, state=state, B=B, op="decode", backend=f"cula-{name}", T=1,
-                                     ms=decode_ms[name], TBps=state_bytes / (decode_ms[name] * 1e-3) / 1e12))
+                                     ms=decode_ms[name], TBps=state_bytes / (decode_ms[name] * 1e-3) / 1e12,
+                                     dispatched=name == auto))
                     print(f"{model:12s} {state:9s} B{B:<4d} decode                {'cula-' + name:12s} "
-                          f"{decode_ms[name] * 1e3:8.1f} us {rows[-1]['TBps']:6.2f} TB/s", flush=True)
+                          f"{decode_ms[name] * 1e3:8.1f} us {rows[-1]['TBps']:6.2f} TB/s"
+                          f"{'  dispatch' if name == auto else ''}", flush=True)
                 ceiling_ms = copy_ceiling(B * shape["HV"] * shape["V"] * shape["K"], state_dtype, device)
                 rows.append(dict(model=model, state=state, B=B, op="decode", backend="copy ceiling", T=1,
                                  ms=ceiling_ms, TBps=state_bytes / (ceiling_ms * 1e-3) / 1e12))
@@ -274,7 +286,7 @@ def main(args) -> int:
                 if args.graph_layers > 1 and B <= LAYERED_MAX_BATCH:
                     rows += _layered_decode(mode, shape, kw, pool, slots, backends, versions, state_dtype,
                                             args.graph_layers, device, dict(model=model, state=state, B=B))
-                first = decode_ms[backends[0]]
+                first = decode_ms[auto]
                 steps = _peer_steps(mode, kw, pool, slots, columns, 0, state_dtype, versions)
                 if steps:
                     ref_o, ref_states = _reference(mode, kw, pool, slots, columns, 0, None)
@@ -288,15 +300,18 @@ def main(args) -> int:
                 for T in args.verify_tokens:
                     kw, pool, slots, columns = _inputs(mode, shape, B, T, state_dtype, device, generator)
                     cula_ms = {}
+                    auto_verify = _dispatched("verify", mode, B, T, shape, device, backends)
                     for name in backends:
                         for protocol in PROTOCOLS + ("pending",):
                             ms = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, T, protocol, name), device)
-                            if name == backends[0]:
+                            if name == auto_verify:
                                 cula_ms[protocol] = ms
                             rows.append(dict(model=model, state=state, B=B, op=f"verify+commit {protocol}",
-                                             backend=f"cula-{name}", T=T, ms=ms, vs_decode=ms / decode_ms[name]))
+                                             backend=f"cula-{name}", T=T, ms=ms, vs_decode=ms / first,
+                                             dispatched=name == auto_verify))
                             print(f"{model:12s} {state:9s} B{B:<4d} T{T} {protocol:9s} v+c   {'cula-' + name:12s} "
-                                  f"{ms * 1e3:8.1f} us {ms / decode_ms[name]:5.2f}x decode", flush=True)
+                                  f"{ms * 1e3:8.1f} us {ms / first:5.2f}x decode"
+                                  f"{'  dispatch' if name == auto_verify else ''}", flush=True)
                     for peer, op, build in _peer_steps(mode, kw, pool, slots, columns, T, state_dtype, versions):
                         protocol = op.split()[-1]
                         ref_o, ref_states = _reference(mode, kw, pool, slots, columns, T, protocol)

@@ -266,11 +266,13 @@ def main(args) -> int:
             backends.remove("fla")
     trace = make_trace(args.num_requests, args.input_len, args.output_len, distribution=args.distribution,
                        spread=args.spread, seed=args.seed)
-    # the backend cula-serve's dispatch picks here for each operation
-    cula_backends = {op: dispatch.select(op, device, None, lambda module: None).NAME for op in dispatch.OPERATIONS}
     rows, failed = [], False
     for model in args.model:
         shape = layer_shape(model, args.tp)
+        # the backend cula-serve's dispatch picks for each operation of this model at the full batch
+        workload = dict(mode=shape.mode, N=args.max_num_seqs, T=args.mtp, HV=shape.HV)
+        cula_backends = {op: dispatch.automatic_backend(op, device, None if op == "prefill" else workload)
+                         for op in dispatch.OPERATIONS}
         for backend in backends:
             engine = OfflineEngine(shape, backend, args, device)
             label = f"cula ({cula_backends['decode']})" if backend == "cula" else f"fla {fla_version}"

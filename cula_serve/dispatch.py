@@ -117,3 +117,12 @@ def select(operation: str, device: torch.device, backend: str | None, supports, 
             return module
         reasons.append(f"{candidate}: {reason}")
     raise ValueError(f"no backend can serve this {operation} call on {device}: " + "; ".join(reasons))
+
+
+def automatic_backend(operation: str, device: torch.device, workload: dict | None = None) -> str:
+    """Name of the backend automatic dispatch picks for ``operation`` with inputs every backend
+    supports (bf16 q / k / v, K = V = 128): what benchmarks label cula-serve's rows with.
+    ``workload`` (mode, N, T, HV, as ``select`` takes it) lets a backend defer a decode, verify or
+    commit of that size; without it only the order and the operations count (a prefill's own
+    checks need its tensors)."""
+    return select(operation, device, None, lambda module: None, workload).NAME

@@ -66,7 +66,8 @@ def test_backend_without_an_operation_is_skipped_or_refused(monkeypatch):
 
 def test_backend_defers_only_in_automatic_mode(monkeypatch):
     """A backend's ``defers`` hook (it knows the next backend is faster on such a call) moves an
-    automatic call on, never a call that names the backend."""
+    automatic call on, never a call that names the backend; ``automatic_backend`` names the same
+    choice."""
     cpu = torch.device("cpu")
     torch_module = dispatch.backend_status("torch", cpu)[0]
     small_shy = type("SmallShy", (), dict(NAME="small_shy", OPERATIONS=("decode",),
@@ -78,6 +79,10 @@ def test_backend_defers_only_in_automatic_mode(monkeypatch):
     assert dispatch.select("decode", cpu, None, always, dict(mode="gdn", N=1, T=1, HV=4)) is torch_module
     assert dispatch.select("decode", cpu, None, always, dict(mode="gdn", N=64, T=1, HV=4)) is small_shy
     assert dispatch.select("decode", cpu, "cute", always, dict(mode="gdn", N=1, T=1, HV=4)) is small_shy
+    # the benchmarks' label of a call follows the same choice
+    assert dispatch.automatic_backend("decode", cpu, dict(mode="gdn", N=1, T=1, HV=4)) == "torch"
+    assert dispatch.automatic_backend("decode", cpu, dict(mode="gdn", N=64, T=1, HV=4)) == "small_shy"
+    assert dispatch.automatic_backend("prefill", cpu) == "torch"
 
 
 def test_backend_call_error_refuses_or_passes_on(monkeypatch):
@@ -127,3 +132,4 @@ def test_triton_recurrent_tiles_per_op():
     assert block_v(256, 64, 128, 128, gpu, "buffer", "lightning") == (32, 1)
     assert block_v(8, 32, 128, 128, gpu, "slots", "kda") == (4, 1)
     assert block_v(1, 32, 128, 128, torch.device("cpu"), "deferred") == (32, 1)
+
