@@ -436,6 +436,19 @@ def test_segments_match_oracle(mode, tokens, generator):
     assert all(not torch.isnan(pool[s]).any() for s in (10, 11, 12, 17))
 
 
+def test_lightning_composition_in_blocks_of_four(generator):
+    """Lightning's composition loads four segments' final states per step
+    (``_scalar_compose_kernel``): a 700-token sequence in 64-token segments (eleven: nine composed
+    steps, two whole blocks of four and a partial one) next to a short one, against the oracle."""
+    lens, slots, has_init = [700, 40], [2, 0], [True, False]
+    shape = dict(H=1, HV=2, K=32, V=32)
+    kw = random_inputs("lightning", (sum(lens),), **shape, dtype=torch.float32, generator=generator)
+    pool, call = _varlen_case(generator, shape, lens, slots, has_init)
+    o, ref_o, ref_pool = _run_both("lightning", kw, pool, segment_tokens=64, **call)
+    assert_close(o, ref_o, 1e-5)
+    assert_same_writes(pool, ref_pool, 1e-5)
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_one_pass_segments_compose_and_correct(state_dtype, generator):
     """In-card segments as the CuTe DSL GDN prefill runs them, in one state pass: each segment on
