@@ -315,7 +315,8 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
     N = cu_seqlens.shape[0] - 1
     HV, K = initial.shape[1], initial.shape[3]
     if decay is not None:
-        assert final_pool is None, "final_pool: the delta rule's (CuTe DSL GDN prefill) only"
+        if final_pool is not None:
+            raise ValueError("final_pool: only the delta rule's composition (the CuTe DSL GDN prefill) writes it")
         BV = min(V, 16)
         _scalar_compose_kernel[(N, HV, triton.cdiv(V, BV))](
             cu_seqlens, N, state_indices if state_indices is not None else cu_seqlens, transitions, initial, decay,
