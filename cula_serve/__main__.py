@@ -15,7 +15,8 @@ def _device() -> torch.device:
 
 
 def info() -> None:
-    """Print the device, every backend's availability with the reason, and the dispatch order."""
+    """Print the device, every backend's availability with the reason, the dispatch order, and the
+    backend each model shape's decode and verify get at a few batch sizes."""
     device = _device()
     print(f"cula-serve {__version__}  torch {torch.__version__}  python {platform.python_version()}")
     if device.type == "cuda":
@@ -34,6 +35,14 @@ def info() -> None:
         chosen = next((b for b in order if (module := dispatch.backend_status(b, device)[0]) is not None
                        and op in module.OPERATIONS), None)
         print(f"  {op:8s} {' > '.join(order):24s} -> {forced or chosen}")
+    # a backend may pass calls of some sizes to the next one (``defers``): what the model shapes get
+    from .inputs import MODEL_SHAPES
+    print("per call, at the model shapes (B = 1 / 64 / 256 sequences):")
+    for model, shape in MODEL_SHAPES.items():
+        for op, T in (("decode", 1), ("verify", 4)):
+            picks = [dispatch.automatic_backend(op, device, dict(mode=shape["mode"], N=B, T=T, HV=shape["HV"]))
+                     for B in (1, 64, 256)]
+            print(f"  {model:12s} {op:8s} {' / '.join(picks)}")
 
 
 def main(argv=None) -> int:

@@ -46,6 +46,7 @@ def test_info_command_lists_every_backend():
     for name in ("cute", "triton", "torch", "prefill", "decode", "verify", "commit"):
         assert name in result.stdout
     assert "torch   available" in result.stdout
+    assert "qwen3-next   decode   torch / torch / torch" in result.stdout or torch.cuda.is_available()
 
 
 def test_backend_without_an_operation_is_skipped_or_refused(monkeypatch):
