@@ -228,7 +228,7 @@ def _compose_program(cu_seqlens, state_indices, tokens, K: tl.constexpr, V: tl.c
 
 
 @triton.jit
-def _compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, tokens, pool,
+def _compose_kernel(cu_seqlens, state_indices, transitions, initial, tokens, pool,
                     s_tn, s_th, s_tv, s_in, s_ih, s_iv, s_ps, s_ph, s_pv,
                     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_SLOTS: tl.constexpr,
                     FINAL: tl.constexpr):
@@ -272,7 +272,7 @@ def _composed(X, initial, j, end, out_rows, s_in, vmask):
 
 
 @triton.jit
-def _scalar_compose_kernel(cu_seqlens, num_seqs, state_indices, transitions, initial, decay, tokens,
+def _scalar_compose_kernel(cu_seqlens, state_indices, transitions, initial, decay, tokens,
                            s_tn, s_th, s_tv, s_in, s_ih, s_iv,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Lightning's composition, one (sequence, value head, V tile): X_{j+1} = c X_j + D_j with the
@@ -319,7 +319,7 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
             raise ValueError("final_pool: only the delta rule's composition (the CuTe DSL GDN prefill) writes it")
         BV = min(V, 16)
         _scalar_compose_kernel[(N, HV, triton.cdiv(V, BV))](
-            cu_seqlens, N, state_indices if state_indices is not None else cu_seqlens, transitions, initial, decay,
+            cu_seqlens, state_indices if state_indices is not None else cu_seqlens, transitions, initial, decay,
             tokens, transitions.stride(0), transitions.stride(1), transitions.stride(2),
             initial.stride(0), initial.stride(1), initial.stride(2),
             K=K, V=V, BV=BV, HAS_SLOTS=state_indices is not None, num_warps=4)
@@ -329,7 +329,7 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
     BV = min(V, 32)
     final = final_pool is not None
     _compose_kernel[(N, HV, triton.cdiv(V, BV))](
-        cu_seqlens, N, state_indices if state_indices is not None else cu_seqlens, transitions, initial,
+        cu_seqlens, state_indices if state_indices is not None else cu_seqlens, transitions, initial,
         tokens, final_pool if final else initial,
         transitions.stride(0), transitions.stride(1), transitions.stride(2),
         initial.stride(0), initial.stride(1), initial.stride(2),

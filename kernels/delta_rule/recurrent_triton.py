@@ -377,8 +377,8 @@ def block_v(N: int, HV: int, K: int, V: int, device: torch.device, op: str = "de
     - Lightning's verifies keep the grown width (bfloat16 B = 256 with a pending commit: 612.7 us
       with 32 against 689.7 with 16).
     Two warps per program were slower everywhere, up to 8x (``tile_split`` lays out one warp's
-    lanes). Wider K needs proportionally more threads to hold the K x BV slice in registers. The interpreter (CPU)
-    runs programs one after another: there fewer, wider programs are faster.
+    lanes). Wider K needs proportionally more threads to hold the K x BV slice in registers. The
+    interpreter (CPU) runs programs one after another: there fewer, wider programs are faster.
     """
     if device.type != "cuda":
         return min(V, 32), 1
