@@ -24,8 +24,9 @@ One CTA per (sequence, value head), three warpgroups, as ``lightning/chunk_cute.
   1. the gates (one warp: the fused gate, a warp scan for G, the beta sigmoid, exp(G) and the
      tail decays, loaded a chunk ahead) and row norms (consumer 0: k, consumer 1: q);
   2. consumer 0 forms A = K K^T (wgmma) into float32 shared memory, consumer 1 P = Q K^T (bf16);
-  3. T = (I + A)^-1 by both in float32 on the CUDA cores (``_invert``: 16 x 16 diagonal blocks
-     by forward substitution, then two doublings), T' and T'' written in bf16 where T is;
+  3. T = (I + A)^-1 by both (``_invert``: 8 x 8 diagonal blocks by forward substitution in
+     float32, then three doublings on the tensor cores in tf32), T' and T'' written in bf16
+     where T is;
   4. W = T'' K, each consumer 64 of its K columns (wgmma), stored as -W in bf16;
   5. each consumer its own rows: U^T (two wgmma into one accumulator), O^T = S^T Q^T, then
      O^T += U^T P^T and the state update with U^T from registers (wgmma's register A operand),
@@ -36,9 +37,11 @@ as in FLA's pipeline; the accumulations are float32. Relative error against the 
 the model shapes: 3.6e-3 (Triton's kernel 2.7e-3, FLA 4.7e-3; the bf16 tolerance is 5e-3).
 
 Speed (H100, 32 heads, ``bench_serving kernels``, eager): 4 x 8192 0.97 ns per token-head (FLA
-2.20, our Triton kernel 2.42), 8 x 1024 1.07 (2.87, 2.56). A chunk takes about 13.9k cycles,
+2.20, our Triton kernel 2.42), 8 x 1024 1.07 (2.87, 2.56). A chunk took about 13.9k cycles,
 by clock64 probes: the solve 4.5k, the chain's products and scalings 3.7k, K K^T / Q K^T and
 their scaling 1.8k, the output and the state's restaging 1.2k, gates and norms 1.1k, W 0.8k.
+The solve's doublings on the tensor cores, then 8 x 8 diagonal blocks, took 4 x 8192 on an
+H200 from 0.964 to 0.898 and 0.815 ns per token-head (CUDA-graph replay, same error).
 The phases run one after the other, latency-bound (a quarter of the issue slots busy). Not done:
 overlapping one chunk's solve with the previous chunk's chain (warp specialisation between
 them; shared memory is full at 2 stages).
@@ -73,6 +76,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu.warp import MmaTF32Op
 import cuda.bindings.driver as cuda
 
 from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_segment,
@@ -89,6 +93,7 @@ BLOCK = 16  # rows of the triangular solve's diagonal blocks
 # float32 row stride of A and T in shared memory: with 64 the rows' same columns share banks (the
 # accumulator's stores into A were 8-way conflicts, T's row reads by quarter rows as well)
 ROW_STRIDE = C + 8
+TF32_HALF_ULP = 1 << 12  # float32 bits: tf32 keeps the top 10 of the 23 mantissa bits
 CONSUMER_REGS = 240
 ALL = 3  # named barrier of both consumer warpgroups (0 is the CTA's, 1 and 2 each consumer's)
 
@@ -181,101 +186,139 @@ def _store_scaled(sTv: cute.Tensor, sTk: cute.Tensor, row, col0, values: list, f
 
 
 @cute.jit
-def _invert(sA: cute.Tensor, sT: cute.Tensor, sR: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor,
-            sDecay: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor, ctid: Int32):
+def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor,
+            sB: cute.Tensor, rk: cute.Tensor, ctid: Int32):
     """T = (I + A)^-1 for the strictly lower float32 A (64 x 64) by the 256 consumer threads, and
     from it T' and T'' in bf16, each value scaled and stored where it is computed (the upper
     blocks of T, T' and T'' are zero from the start and stay so).
 
-    The diagonal 16 x 16 blocks first: column c of T_II solves (I + A_II) x = e_c, a thread per
-    column, right-looking (a chain of 16 dependent steps, not 120). Then the 32 x 32 diagonal
-    blocks by doubling, their lower 16-row halves side by side, and last the lower 32 rows from
-    the upper 32: rows R from columns C, T_RC = T_RR R with R = -A_RC T_CC. Each thread computes
-    four adjacent columns of one row with 16-byte loads. Three 16-row levels instead of the two
-    doublings took two more barriers: H100, 4 x 8192, 11.1 against 9.9 us per chunk (two runs of
-    one timing harness)."""
-    if ctid < C:
-        c = ctid
-        base = (c // BLOCK) * BLOCK
-        # views at the block's corner and the column's top: one base address, constant offsets
-        block_A = cute.make_tensor(sA.iterator + base * (ROW_STRIDE + 1),
-                                   cute.make_layout((BLOCK, BLOCK), stride=(ROW_STRIDE, 1)))
-        column_T = cute.make_tensor(sT.iterator + base * ROW_STRIDE + c, cute.make_layout(BLOCK, stride=ROW_STRIDE))
-        # x = e_d - A e_d - ..., d = c - base: the unit x_d enters through its column of A (zero on
-        # and above the diagonal), and x_d itself is written last. Selecting e_d's entries by
-        # row instead gave 16 loop-invariant registers, which were spilled and reloaded per chunk.
-        d = c - base
-        x = [-block_A[i, d] for i in range(BLOCK)]
-        for m in cutlass.range_constexpr(BLOCK):
-            for i in cutlass.range_constexpr(m + 1, BLOCK):
-                x[i] = x[i] - block_A[i, m] * x[m]
-        factors = _column_factors(sDecay, sB, rk, c, 1)
-        for i in cutlass.range_constexpr(BLOCK):
-            column_T[i] = x[i]
-            _store_scaled(sTv, sTk, base + i, c, [x[i]], factors)
-        column_T[d] = Float32(1.0)
-        _store_scaled(sTv, sTk, c, c, [Float32(1.0)], factors)
+    The diagonal 8 x 8 blocks first: column c of T_II solves (I + A_II) x = e_c, a thread per
+    column, right-looking (a chain of 8 dependent steps). Then three doublings on the tensor
+    cores (``_tile_product``): the lower left 8 x 8 block of each 16 x 16 diagonal block, by the
+    warp that solved it; the 32 x 32 diagonal blocks, their lower 16-row halves side by side; and
+    last the lower 32 rows from the upper 32. Each takes rows R from columns C, T_RC = T_RR X with
+    X = -A_RC T_CC. X goes to T's upper right 32 x 32 block, which nothing else reads (its rows
+    start 72 floats apart: the fragments' loads and stores are free of bank conflicts). Blocks of
+    16 substituted (16-step chains) and doubled on the CUDA cores took 4.5k of the kernel's 13.9k
+    cycles per chunk (H100, 4 x 8192)."""
+    warp_id = ctid // 32
+    lane = ctid % 32
+    if warp_id < 4:
+        corner = BLOCK * warp_id
+        if lane < BLOCK:
+            c = corner + lane
+            base = (c // 8) * 8
+            # views at the block's corner and the column's top: one base address, constant offsets
+            block_A = cute.make_tensor(sA.iterator + base * (ROW_STRIDE + 1),
+                                       cute.make_layout((8, 8), stride=(ROW_STRIDE, 1)))
+            column_T = cute.make_tensor(sT.iterator + base * ROW_STRIDE + c, cute.make_layout(8, stride=ROW_STRIDE))
+            # x = e_d - A e_d - ..., d = c - base: the unit x_d enters through its column of A (zero
+            # on and above the diagonal), and x_d itself is written last. Selecting e_d's entries by
+            # row instead gave loop-invariant registers, which were spilled and reloaded per chunk.
+            d = c - base
+            x = [-block_A[i, d] for i in range(8)]
+            for m in cutlass.range_constexpr(8):
+                for i in cutlass.range_constexpr(m + 1, 8):
+                    x[i] = x[i] - block_A[i, m] * x[m]
+            factors = _column_factors(sDecay, sB, rk, c, 1)
+            for i in cutlass.range_constexpr(8):
+                column_T[i] = x[i]
+                _store_scaled(sTv, sTk, base + i, c, [x[i]], factors)
+            column_T[d] = Float32(1.0)
+            _store_scaled(sTv, sTk, c, c, [Float32(1.0)], factors)
+        cute.arch.sync_warp()
+        # rows 8 .. 15 of 16-row products: X = -A_10 T_00 (rows 8 warp_id .. + 7 of the upper right
+        # block), then T_10 = T_11 X (rows 0 .. 7 multiply the zero block above T_11)
+        acc, rc = _tile_product(_block(sA, corner, corner, BLOCK, 8), _block(sT, corner, corner, 8, 8, True), lane)
+        _store_tile(sT, acc, rc, 8 * warp_id - 8, C // 2, Float32(-1.0), 8)
+        cute.arch.sync_warp()
+        acc, rc = _tile_product(_block(sT, corner, corner + 8, BLOCK, 8), _block(sT, 8 * warp_id, C // 2, 8, 8, True),
+                                lane)
+        _store_tile(sT, acc, rc, corner, corner, Float32(1.0), 8)
+        _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, corner, corner, 8)
     cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    # the 32 x 32 diagonal blocks: rows 16..31 from rows 0..15 and rows 48..63 from rows 32..47,
-    # side by side (128 threads)
-    if ctid < 2 * BLOCK * 4:
-        half = ctid // (BLOCK * 4)  # 0: rows 16..31, 1: rows 48..63
-        a = (ctid % (BLOCK * 4)) // 4
-        c0 = (ctid % 4) * 4
-        _residual(sA, sT, sR, BLOCK + 2 * BLOCK * half + a, 2 * BLOCK * half, c0, a, BLOCK * half + c0, BLOCK)
+    # the 32 x 32 diagonal blocks at rows 32 h: rows 32 h + 16 .. + 31 from rows 32 h .. + 15, a warp
+    # per 8 of the 16 columns (warps 0 .. 3)
+    h = warp_id // 2
+    n0 = 8 * (warp_id % 2)
+    corner = 2 * BLOCK * h
+    if warp_id < 4:
+        acc, rc = _tile_product(_block(sA, corner + BLOCK, corner, BLOCK, BLOCK),
+                                _block(sT, corner, corner + n0, BLOCK, 8, True), lane)
+        _store_tile(sT, acc, rc, 0, C // 2 + BLOCK * h + n0, Float32(-1.0))
     cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    if ctid < 2 * BLOCK * 4:
-        half = ctid // (BLOCK * 4)
-        a = (ctid % (BLOCK * 4)) // 4
-        c0 = (ctid % 4) * 4
-        _apply_diagonal(sT, sR, sTv, sTk, sDecay, sB, rk, BLOCK + 2 * BLOCK * half, a, 2 * BLOCK * half + c0,
-                        BLOCK * half + c0, BLOCK, True)
+    if warp_id < 4:
+        acc, rc = _tile_product(_block(sT, corner + BLOCK, corner + BLOCK, BLOCK, BLOCK),
+                                _block(sT, 0, C // 2 + BLOCK * h + n0, BLOCK, 8, True), lane)
+        _store_tile(sT, acc, rc, corner + BLOCK, corner + n0, Float32(1.0))
+        _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, corner + BLOCK, corner + n0)
     cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    # rows 32..63 from rows 0..31 (256 threads, four columns each)
-    a = ctid // 8
-    c0 = (ctid % 8) * 4
-    _residual(sA, sT, sR, 2 * BLOCK + a, 0, c0, a, c0, 2 * BLOCK)
+    # rows 32 .. 63 from rows 0 .. 31: a warp per 16 x 8 tile
+    r0 = BLOCK * (warp_id // 4)
+    n0 = 8 * (warp_id % 4)
+    acc, rc = _tile_product(_block(sA, C // 2 + r0, 0, BLOCK, C // 2), _block(sT, 0, n0, C // 2, 8, True), lane)
+    _store_tile(sT, acc, rc, r0, C // 2 + n0, Float32(-1.0))
     cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    _apply_diagonal(sT, sR, sTv, sTk, sDecay, sB, rk, 2 * BLOCK, a, c0, c0, 2 * BLOCK, False)
+    acc, rc = _tile_product(_block(sT, C // 2 + r0, C // 2, BLOCK, C // 2), _block(sT, 0, C // 2 + n0, C // 2, 8, True),
+                            lane)
+    _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, C // 2 + r0, n0)
 
 
 @cute.jit
-def _residual(sA: cute.Tensor, sT: cute.Tensor, sR: cute.Tensor, row: Int32, k0, c0, r_row, r_col,
-              K: cutlass.Constexpr[int]):
-    """sR[r_row, r_col .. + 3] = -A[row, k0 .. k0 + K) T[k0 .. k0 + K, k0 + c0 .. + 3] (T's rows
-    from k0 already final), in two partial sums (half the dependent chain)."""
-    acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
-    for mb in cutlass.range_constexpr(K // 4):
-        a4 = _vec(sA, row, k0 + 4 * mb, 4)
-        for mm in cutlass.range_constexpr(4):
-            t4 = _vec(sT, k0 + 4 * mb + mm, k0 + c0, 4)
-            for q in cutlass.range_constexpr(4):
-                acc[mb % 2][q] = acc[mb % 2][q] - a4[mm] * t4[q]
-    r4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-    for q in cutlass.range_constexpr(4):
-        r4[q] = acc[0][q] + acc[1][q]
-    cute.autovec_copy(r4, cute.local_tile(sR[r_row, None], (4,), (r_col // 4,)))
+def _block(t: cute.Tensor, row0, col0, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+           TRANSPOSE: cutlass.Constexpr[bool] = False) -> cute.Tensor:
+    """t[row0 : row0 + rows, col0 : col0 + cols] of a float32 [C, ROW_STRIDE] matrix in shared
+    memory, or with TRANSPOSE its transpose [cols, rows] (an MMA's B operand is [N, K])."""
+    if const_expr(TRANSPOSE):
+        return cute.make_tensor(t.iterator + row0 * ROW_STRIDE + col0,
+                                cute.make_layout((cols, rows), stride=(1, ROW_STRIDE)))
+    return cute.make_tensor(t.iterator + row0 * ROW_STRIDE + col0,
+                            cute.make_layout((rows, cols), stride=(ROW_STRIDE, 1)))
 
 
 @cute.jit
-def _apply_diagonal(sT: cute.Tensor, sR: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor,
-                    sB: cute.Tensor, rk: cute.Tensor, row0, a, col, r_col, K: cutlass.Constexpr[int],
-                    KEEP: cutlass.Constexpr[bool]):
-    """T[row0 + a, col .. + 3] = T[row0 + a, row0 .. row0 + K) R[0 .. K, r_col .. + 3], T's diagonal
-    block at row0 being final; stored to T (when read again, KEEP) and scaled to T' and T''."""
-    acc = [[Float32(0.0)] * 4, [Float32(0.0)] * 4]
-    for mb in cutlass.range_constexpr(K // 4):
-        t4d = _vec(sT, row0 + a, row0 + 4 * mb, 4)
-        for mm in cutlass.range_constexpr(4):
-            r4 = _vec(sR, 4 * mb + mm, r_col, 4)
-            for q in cutlass.range_constexpr(4):
-                acc[mb % 2][q] = acc[mb % 2][q] + t4d[mm] * r4[q]
-    t4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-    for q in cutlass.range_constexpr(4):
-        t4[q] = acc[0][q] + acc[1][q]
-    if const_expr(KEEP):
-        cute.autovec_copy(t4, cute.local_tile(sT[row0 + a, None], (4,), (col // 4,)))
-    _store_scaled(sTv, sTk, row0 + a, col, [t4[q] for q in range(4)], _column_factors(sDecay, sB, rk, col, 4))
+def _tile_product(X: cute.Tensor, Y: cute.Tensor, lane: Int32) -> tuple:
+    """One warp's X [16, K] Y^T (Y [8, K]) from float32 shared memory on the tensor cores
+    (mma.sync m16n8k8 in tf32, float32 accumulation): the [16, 8] accumulator fragment and each
+    element's (row, column). The operands are rounded to tf32's 11 significant bits (to nearest:
+    half a unit of the last kept bit is added to the float32 bits, whose low 13 bits the tensor
+    cores ignore); the products' results are rounded to bf16's 8 where T' and T'' are stored."""
+    mma = cute.make_tiled_mma(MmaTF32Op((16, 8, 8)))
+    thr = mma.get_slice(lane)
+    sX = thr.partition_A(cute.make_tensor(cute.recast_ptr(X.iterator, dtype=Int32), X.layout))
+    sY = thr.partition_B(cute.make_tensor(cute.recast_ptr(Y.iterator, dtype=Int32), Y.layout))
+    rX = mma.make_fragment_A(thr.partition_shape_A(X.shape))
+    rY = mma.make_fragment_B(thr.partition_shape_B(Y.shape))
+    for i in cutlass.range_constexpr(cute.size(rX)):
+        rX[i] = sX[i] + Int32(TF32_HALF_ULP)
+    for i in cutlass.range_constexpr(cute.size(rY)):
+        rY[i] = sY[i] + Int32(TF32_HALF_ULP)
+    acc = cute.make_rmem_tensor(thr.partition_shape_C((BLOCK, 8)), Float32)
+    acc.fill(0.0)
+    cute.gemm(mma, acc, rX, rY, acc)
+    return acc, thr.partition_C(cute.make_identity_tensor((BLOCK, 8)))
+
+
+@cute.jit
+def _store_tile(sT: cute.Tensor, acc: cute.Tensor, rc: cute.Tensor, row0, col0, sign: Float32,
+                FIRST_ROW: cutlass.Constexpr[int] = 0):
+    """sT[row0 + r, col0 + c] = sign * acc over a [16, 8] fragment's rows r >= FIRST_ROW."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        r, c = rc[i]
+        if r >= FIRST_ROW:
+            sT[row0 + r, col0 + c] = sign * acc[i]
+
+
+@cute.jit
+def _store_scaled_tile(sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor,
+                       acc: cute.Tensor, rc: cute.Tensor, row0, col0, FIRST_ROW: cutlass.Constexpr[int] = 0):
+    """T' and T'' at rows row0 + r (r >= FIRST_ROW), columns col0 + c of a [16, 8] fragment of T:
+    the fragment holds column pairs (c, c + 1) of two rows."""
+    for i in cutlass.range_constexpr(cute.size(acc) // 2):
+        r, c = rc[2 * i]
+        if r >= FIRST_ROW:
+            _store_scaled(sTv, sTk, row0 + r, col0 + c, [acc[2 * i], acc[2 * i + 1]],
+                          _column_factors(sDecay, sB, rk, col0 + c, 2))
 
 
 @cute.jit
@@ -305,7 +348,6 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
     sW = storage.sW.get_tensor(wide.outer, swizzle=wide.inner)
     sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
     sT = cute.make_tensor(storage.sT.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
-    sR = cute.make_tensor(storage.sR.data_ptr(), cute.make_layout((C // 2, C // 2), stride=(C // 2, 1)))
     sG = cute.make_tensor(storage.gate.data_ptr(), cute.make_layout(C))
     sDecay = cute.make_tensor(storage.decay.data_ptr(), cute.make_layout(C))
     sTail = cute.make_tensor(storage.tail.data_ptr(), cute.make_layout(C))
@@ -429,7 +471,7 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
                 cute.autovec_copy(p_staged, tXsP)
             cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # A, P written
 
-            _invert(sA, sT, sR, sTv, sTk, sDecay, sB, rk, ctid)
+            _invert(sA, sT, sTv, sTk, sDecay, sB, rk, ctid)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # T', T'' (and P) visible to wgmma
 
@@ -557,7 +599,6 @@ def _gdn_kernel(
         sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(wide)], 1024]
         sA: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
         sT: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
-        sR: cute.struct.Align[cute.struct.MemRange[Float32, C * C // 4], 16]
         gate: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
         decay: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
         tail: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
