@@ -81,9 +81,9 @@ import cuda.bindings.driver as cuda
 
 from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_segment,
                                    block_sequence, check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor,
-                                   launch, launch_arguments, load_state, make_loads, produce, row_inv_norms,
-                                   stage_state, store_state, tensor_views, transposed, unsupported as unsupported_rows,
-                                   zero_rows)
+                                   launch, launch_arguments, load_state, make_loads, output_read, output_store,
+                                   produce, row_inv_norms, stage_state, store_state, tensor_views, transposed,
+                                   unsupported as unsupported_rows, zero_rows)
 from ..common import segments
 from ..common.affine_output import correct_segment_outputs
 from ..common.prep import Recipe
@@ -323,7 +323,8 @@ def _store_scaled_tile(sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor, 
 
 @cute.jit
 def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, w: Int32, tid: Int32,
-             out: cute.Tensor, pool: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, A_log: cute.Tensor,
+             out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, g: cute.Tensor,
+             beta: cute.Tensor, A_log: cute.Tensor,
              dt_bias: cute.Tensor, has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor,
              checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32, n: Int32, hv: Int32, bos: Int32,
              length: Int32, num_chunks: Int32, slot: Int64, live, segment: tuple, layouts: cutlass.Constexpr,
@@ -341,7 +342,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
     state_layout, out_layout, square, wide = layouts
     ctid = w * 128 + tid
     sS = storage.sS.get_tensor(state_layout.outer, swizzle=state_layout.inner)[None, None, w]
-    sO = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)[None, None, w]
+    sO_both = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)
+    sO = sO_both[None, None, w]
     sP = storage.sP.get_tensor(square.outer, swizzle=square.inner)
     sTv = storage.sTv.get_tensor(square.outer, swizzle=square.inner)
     sTk = storage.sTk.get_tensor(square.outer, swizzle=square.inner)
@@ -416,6 +418,7 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
         load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live, HAS_POOL, HAS_INIT_FLAGS)
     tSsS = thr_st.partition_C(sS)
     tOsO = thr_ss.partition_C(transposed(sO))  # O^T [v, t] over the [t, v] tile
+    store = output_store(tma_o, o_tiles, sO_both, bos, hv)
 
     if live:
         # the blocks of T, T' and T'' above the diagonal stay zero; the solve writes the others
@@ -443,7 +446,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
                 row_inv_norms(sK[None, None, stage], rk, tid, QK_L2NORM)
             else:
                 row_inv_norms(sQ[None, None, stage], rq, tid, QK_L2NORM)
-            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # gates, norms, S^T' visible
+            output_read(tid)
+            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # gates, norms, S^T' visible, sO free
 
             # consumer 0: A = K K^T (float32, for the solve); consumer 1: P = Q K^T (bf16 operand)
             warpgroup.fence()
@@ -527,10 +531,11 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
                                  checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False)
                 else:
                     finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices,
-                                 checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False)
+                                 checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False, store)
             else:
                 finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices, checkpoint_every,
-                             num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT)
+                             num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT, store)
+        output_read(tid)
         if const_expr(SEGMENTED):
             if (j_segment == 0) & last & (maps == 0):
                 if const_expr(HAS_POOL):
@@ -551,7 +556,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
 def _gdn_kernel(
     tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_tiles: cute.Tensor,
     tma_v: cute.CopyAtom, v_tiles: cute.Tensor,
-    out: cute.Tensor, pool: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor,
+    out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, g: cute.Tensor,
+    beta: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor,
     cu_seqlens: cute.Tensor, state_indices: cute.Tensor, has_initial_state: cute.Tensor,
     checkpoint_indices: cute.Tensor, checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32,
     transitions: cute.Tensor, q_carried: cute.Tensor, N: Int32, segment_tokens: Int32,
@@ -620,8 +626,8 @@ def _gdn_kernel(
                 produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv)
     else:
         cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
-        _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, pool, g, beta, A_log, dt_bias,
-                 has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv, bos,
+        _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles, pool, g, beta, A_log,
+                 dt_bias, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv, bos,
                  length, num_chunks, slot, live, segment, (state_layout, out_layout, square, wide), QK_L2NORM,
                  GATE, HAS_DT_BIAS, BETA_LOGITS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT, SEGMENTED)
 
@@ -644,9 +650,10 @@ def _launch(
     (``cute_prefill.strides`` says why). GATE_STRIDES: the row and head strides of g and beta.
     SEGMENTED: segments of ``segment_tokens``; transitions float32 [segment ids, HV, 256, 128] and
     the map rows' outputs q_carried bf16 [T, HV, 128], both contiguous."""
-    (tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, cu_seqlens, state_indices, has_initial_state,
-     checkpoint_indices) = tensor_views(q_ptr, k_ptr, v_ptr, o_ptr, pool_ptr, cu_ptr, indices_ptr, init_ptr, ckpt_ptr,
-                                        T, N, P, num_checkpoints, checkpoint_stride, STRIDES, H, HV)
+    (tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, tma_o, o_tiles, pool, cu_seqlens, state_indices,
+     has_initial_state, checkpoint_indices) = tensor_views(q_ptr, k_ptr, v_ptr, o_ptr, pool_ptr, cu_ptr, indices_ptr,
+                                                           init_ptr, ckpt_ptr, T, N, P, num_checkpoints,
+                                                           checkpoint_stride, STRIDES, H, HV)
     g_t, g_h, b_t, b_h = GATE_STRIDES
     g = cute.make_tensor(g_ptr, cute.make_layout((T, HV), stride=(g_t, g_h)))
     beta = cute.make_tensor(beta_ptr, cute.make_layout((T, HV), stride=(b_t, b_h)))
@@ -660,7 +667,7 @@ def _launch(
                                                                      stride=(HV * 2 * D * D, 2 * D * D, D, 1)))
     q_carried = cute.make_tensor(carried_ptr, cute.make_layout((T, D, HV), stride=(HV * D, 1, D)))
     _gdn_kernel(
-        tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, g, beta, A_log, dt_bias, cu_seqlens,
+        tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, tma_o, o_tiles, pool, g, beta, A_log, dt_bias, cu_seqlens,
         state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale,
         transitions, q_carried, N, segment_tokens,
         HV // H, HV, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS, HAS_SLOTS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,

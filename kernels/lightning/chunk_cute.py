@@ -52,8 +52,9 @@ import cuda.bindings.driver as cuda
 
 from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_sequence,
                                    check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, launch,
-                                   launch_arguments, load_state, make_loads, produce, row_inv_norms, stage_state,
-                                   store_state, tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
+                                   launch_arguments, load_state, make_loads, output_read, output_store, produce,
+                                   row_inv_norms, stage_state, store_state, tensor_views, transposed,
+                                   unsupported as unsupported_rows, zero_rows)
 from ..common.prep import Recipe
 
 CONSUMER_REGS = 240
@@ -62,7 +63,8 @@ POWERS = C + 8  # exp(i d) for i = 0 .. C, a table per consumer (rows of 16-byte
 
 @cute.jit
 def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, w: Int32, tid: Int32,
-             out: cute.Tensor, pool: cute.Tensor, decay: cute.Tensor, has_initial_state: cute.Tensor,
+             out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, decay: cute.Tensor,
+             has_initial_state: cute.Tensor,
              checkpoint_indices: cute.Tensor, checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32,
              n: Int32, hv: Int32, bos: Int32, length: Int32, num_chunks: Int32, slot: Int64, live,
              state_layout: cutlass.Constexpr, out_layout: cutlass.Constexpr, QK_L2NORM: cutlass.Constexpr[bool],
@@ -71,7 +73,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
     """A consumer warpgroup: state and output columns w * 64 .. w * 64 + 63 (module docstring)."""
     bar = 1 + w
     sS = storage.sS.get_tensor(state_layout.outer, swizzle=state_layout.inner)[None, None, w]
-    sO = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)[None, None, w]
+    sO_both = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)
+    sO = sO_both[None, None, w]
     rq = cute.make_tensor(storage.rq.data_ptr() + w * C, cute.make_layout(C))
     rk = cute.make_tensor(storage.rk.data_ptr() + w * C, cute.make_layout(C))
     powers = cute.make_tensor(storage.powers.data_ptr() + w * POWERS, cute.make_layout(POWERS))
@@ -112,6 +115,7 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
     load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live, HAS_POOL, HAS_INIT_FLAGS)
     tSsS = thr_st.partition_C(sS)
     tOsO = thr_ss.partition_C(sO)
+    store = output_store(tma_o, o_tiles, sO_both, bos, hv)
 
     if live:
         stage_state(accS, tSsS)  # S^T' for the first chunk's Q S^T'
@@ -130,7 +134,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             v_half = 2 * stage + w
             row_inv_norms(sQ[None, None, stage], rq, tid, QK_L2NORM)
             row_inv_norms(sK[None, None, stage], rk, tid, QK_L2NORM)
-            cute.arch.barrier(barrier_id=bar, number_of_threads=128)  # rq, rk, S^T' visible
+            output_read(tid)
+            cute.arch.barrier(barrier_id=bar, number_of_threads=128)  # rq, rk, S^T', sO free
 
             warpgroup.fence()
             gemm(mma_ss, accP, tSrQ[None, None, None, stage], tSrK[None, None, None, stage], False)
@@ -165,7 +170,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             state.advance()
 
             finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices, checkpoint_every,
-                         num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT)
+                         num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT, store)
+        output_read(tid)
         if const_expr(HAS_POOL):
             store_state(accS, thr_st, pool, slot, hv, w)
     else:
@@ -176,7 +182,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
 def _lightning_kernel(
     tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_tiles: cute.Tensor,
     tma_v: cute.CopyAtom, v_tiles: cute.Tensor,
-    out: cute.Tensor, pool: cute.Tensor, decay: cute.Tensor, cu_seqlens: cute.Tensor, state_indices: cute.Tensor,
+    out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, decay: cute.Tensor,
+    cu_seqlens: cute.Tensor, state_indices: cute.Tensor,
     has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor, checkpoint_every: Int32, num_checkpoints: Int32,
     scale: Float32,
     GROUP: cutlass.Constexpr[int], HV: cutlass.Constexpr[int], QK_L2NORM: cutlass.Constexpr[bool],
@@ -221,9 +228,9 @@ def _lightning_kernel(
                 produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv)
     else:
         cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
-        _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, pool, decay, has_initial_state,
-                 checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv, bos, length, num_chunks, slot,
-                 live, state_layout, out_layout, QK_L2NORM, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT)
+        _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles, pool, decay,
+                 has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv, bos, length,
+                 num_chunks, slot, live, state_layout, out_layout, QK_L2NORM, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT)
 
 
 @cute.jit
@@ -239,12 +246,13 @@ def _launch(
 ):
     """Views of the raw pointers, the TMA descriptors and the launch. STRIDES are compile-time
     (``cute_prefill.strides`` says why), which leaves the launch 7 scalars to pass instead of 17."""
-    (tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, cu_seqlens, state_indices, has_initial_state,
-     checkpoint_indices) = tensor_views(q_ptr, k_ptr, v_ptr, o_ptr, pool_ptr, cu_ptr, indices_ptr, init_ptr, ckpt_ptr,
-                                        T, N, P, num_checkpoints, checkpoint_stride, STRIDES, H, HV)
+    (tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, tma_o, o_tiles, pool, cu_seqlens, state_indices,
+     has_initial_state, checkpoint_indices) = tensor_views(q_ptr, k_ptr, v_ptr, o_ptr, pool_ptr, cu_ptr, indices_ptr,
+                                                           init_ptr, ckpt_ptr, T, N, P, num_checkpoints,
+                                                           checkpoint_stride, STRIDES, H, HV)
     decay = cute.make_tensor(decay_ptr, cute.make_layout(HV))
     _lightning_kernel(
-        tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, pool, decay, cu_seqlens, state_indices,
+        tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, tma_o, o_tiles, pool, decay, cu_seqlens, state_indices,
         has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale,
         HV // H, HV, QK_L2NORM, HAS_SLOTS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
     ).launch(grid=(N * HV, 1, 1), block=(THREADS, 1, 1), stream=stream)
