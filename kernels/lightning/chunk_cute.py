@@ -37,7 +37,9 @@ Triton kernel's segments instead (``cute_backend.defers``). Elsewhere this kerne
 one: H100, 64 heads, device time per token-head, 4 x 8192 0.381 against Triton's 0.431, 8 x 1024
 0.467 against 0.509 (BENCHMARKS.md). Its decay factors come from a table of exp(i d), i = 0 .. C,
 taken once per CTA, and P's (with the causal mask) stay in registers: H200, graph replay, 4 x 8192
-0.383 -> 0.351 (0.367 with the table alone), 8 x 1024 0.469 -> 0.431, the same outputs.
+0.383 -> 0.351 (0.367 with the table alone), 8 x 1024 0.469 -> 0.431, the same outputs. Without
+``qk_l2norm`` the row norms are left out altogether (no norm pass, no rq / rk loads in the
+factors): 0.313 -> 0.296 (after the TMA stores of ``cute_prefill.finish_chunk``).
 """
 from __future__ import annotations
 
@@ -124,7 +126,8 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
         causal = []
         for i in cutlass.range_constexpr(cute.size(accP)):
             t, s = cP[i]
-            causal.append(cutlass.select_(s <= t, powers[cutlass.max(t - s, 0)], Float32(0.0)))
+            f = cutlass.select_(s <= t, powers[cutlass.max(t - s, 0)], Float32(0.0))
+            causal.append(f if const_expr(QK_L2NORM) else f * scale)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for j in cutlass.range(num_chunks, unroll=1):
@@ -132,8 +135,9 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             loads.consumer_wait(state)
             stage = state.index
             v_half = 2 * stage + w
-            row_inv_norms(sQ[None, None, stage], rq, tid, QK_L2NORM)
-            row_inv_norms(sK[None, None, stage], rk, tid, QK_L2NORM)
+            if const_expr(QK_L2NORM):  # without, rq = rk = 1 is left out of every factor
+                row_inv_norms(sQ[None, None, stage], rq, tid, QK_L2NORM)
+                row_inv_norms(sK[None, None, stage], rk, tid, QK_L2NORM)
             output_read(tid)
             cute.arch.barrier(barrier_id=bar, number_of_threads=128)  # rq, rk, S^T', sO free
 
@@ -144,7 +148,9 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             decay_L = powers[L]
             for i in cutlass.range_constexpr(cute.size(tUrV_hi)):
                 s = cU[i][1]
-                ws = powers[cutlass.max(L - 1 - s, 0)] * rk[s]
+                ws = powers[cutlass.max(L - 1 - s, 0)]
+                if const_expr(QK_L2NORM):
+                    ws = ws * rk[s]
                 x = Float32(tUsV[None, None, None, v_half][i]) * cutlass.select_(s < L, ws, Float32(0.0))
                 hi = BFloat16(x)
                 tUrV_hi[i] = hi
@@ -159,10 +165,16 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
             # P -> (scale rq_t rk_s exp((t - s) d) [s <= t]) P in bf16, the A operand of P V
             for i in cutlass.range_constexpr(cute.size(accP)):
                 t, s = cP[i]
-                tOrP[i] = BFloat16(accP[i] * (causal[i] * (scale * rq[t] * rk[s])))
+                if const_expr(QK_L2NORM):
+                    tOrP[i] = BFloat16(accP[i] * (causal[i] * (scale * rq[t] * rk[s])))
+                else:
+                    tOrP[i] = BFloat16(accP[i] * causal[i])
             for i in cutlass.range_constexpr(cute.size(accO)):
                 t = cP[i][0]
-                accO[i] = accO[i] * (scale * rq[t] * powers[t + 1])
+                if const_expr(QK_L2NORM):
+                    accO[i] = accO[i] * (scale * rq[t] * powers[t + 1])
+                else:
+                    accO[i] = accO[i] * (scale * powers[t + 1])
             warpgroup.fence()
             gemm(mma_pv, accO, tOrP, tOrV[None, None, None, v_half], True)
             warpgroup.wait_group(0)
