@@ -96,6 +96,7 @@ ROW_STRIDE = C + 8
 TF32_HALF_ULP = 1 << 12  # float32 bits: tf32 keeps the top 10 of the 23 mantissa bits
 CONSUMER_REGS = 240
 ALL = 3  # named barrier of both consumer warpgroups (0 is the CTA's, 1 and 2 each consumer's)
+PAIR = 4  # named barriers 4 and 5: consumer 0's warps 0 and 1, and 2 and 3, in the solve
 
 
 @cute.jit
@@ -236,22 +237,20 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor
                                 lane)
         _store_tile(sT, acc, rc, corner, corner, Float32(1.0), 8)
         _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, corner, corner, 8)
-    cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    # the 32 x 32 diagonal blocks at rows 32 h: rows 32 h + 16 .. + 31 from rows 32 h .. + 15, a warp
-    # per 8 of the 16 columns (warps 0 .. 3)
-    h = warp_id // 2
-    n0 = 8 * (warp_id % 2)
-    corner = 2 * BLOCK * h
-    if warp_id < 4:
-        acc, rc = _tile_product(_block(sA, corner + BLOCK, corner, BLOCK, BLOCK),
-                                _block(sT, corner, corner + n0, BLOCK, 8, True), lane)
+        # the 32 x 32 diagonal block at rows 32 h: rows 32 h + 16 .. + 31 from rows 32 h .. + 15,
+        # by warps 2 h and 2 h + 1 (8 of the 16 columns each) on their own barrier
+        h = warp_id // 2
+        n0 = 8 * (warp_id % 2)
+        pair_corner = 2 * BLOCK * h
+        cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
+        acc, rc = _tile_product(_block(sA, pair_corner + BLOCK, pair_corner, BLOCK, BLOCK),
+                                _block(sT, pair_corner, pair_corner + n0, BLOCK, 8, True), lane)
         _store_tile(sT, acc, rc, 0, C // 2 + BLOCK * h + n0, Float32(-1.0))
-    cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    if warp_id < 4:
-        acc, rc = _tile_product(_block(sT, corner + BLOCK, corner + BLOCK, BLOCK, BLOCK),
+        cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
+        acc, rc = _tile_product(_block(sT, pair_corner + BLOCK, pair_corner + BLOCK, BLOCK, BLOCK),
                                 _block(sT, 0, C // 2 + BLOCK * h + n0, BLOCK, 8, True), lane)
-        _store_tile(sT, acc, rc, corner + BLOCK, corner + n0, Float32(1.0))
-        _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, corner + BLOCK, corner + n0)
+        _store_tile(sT, acc, rc, pair_corner + BLOCK, pair_corner + n0, Float32(1.0))
+        _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, pair_corner + BLOCK, pair_corner + n0)
     cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
     # rows 32 .. 63 from rows 0 .. 31: a warp per 16 x 8 tile
     r0 = BLOCK * (warp_id // 4)
