@@ -153,15 +153,6 @@ def _chunk_gates(raw: list, sG: cute.Tensor, sB: cute.Tensor, sDecay: cute.Tenso
 
 
 @cute.jit
-def _vec(t: cute.Tensor, row, col0, n: cutlass.Constexpr[int]) -> cute.Tensor:
-    """t[row, col0 : col0 + n] of a float32 shared-memory matrix into registers (16-byte loads:
-    col0 is a multiple of 4 and the rows of every matrix here start 16-byte aligned)."""
-    part = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-    cute.autovec_copy(cute.local_tile(t[row, None], (n,), (col0 // n,)), part)
-    return part
-
-
-@cute.jit
 def _column_factors(sDecay: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor, col0, n: cutlass.Constexpr[int]) -> tuple:
     """beta_s and beta_s exp(G_s) rk_s for the n columns s = col0 .. col0 + n - 1 (T' and T''
     are T with its columns scaled by them)."""
@@ -323,8 +314,8 @@ def _store_scaled_tile(sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor, 
 @cute.jit
 def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, w: Int32, tid: Int32,
              out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, g: cute.Tensor,
-             beta: cute.Tensor, A_log: cute.Tensor,
-             dt_bias: cute.Tensor, has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor,
+             beta: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor, has_initial_state: cute.Tensor,
+             checkpoint_indices: cute.Tensor,
              checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32, n: Int32, hv: Int32, bos: Int32,
              length: Int32, num_chunks: Int32, slot: Int64, live, segment: tuple, layouts: cutlass.Constexpr,
              QK_L2NORM: cutlass.Constexpr[bool], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],

@@ -66,8 +66,8 @@ POWERS = C + 8  # exp(i d) for i = 0 .. C, a table per consumer (rows of 16-byte
 @cute.jit
 def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, w: Int32, tid: Int32,
              out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, decay: cute.Tensor,
-             has_initial_state: cute.Tensor,
-             checkpoint_indices: cute.Tensor, checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32,
+             has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor, checkpoint_every: Int32,
+             num_checkpoints: Int32, scale: Float32,
              n: Int32, hv: Int32, bos: Int32, length: Int32, num_chunks: Int32, slot: Int64, live,
              state_layout: cutlass.Constexpr, out_layout: cutlass.Constexpr, QK_L2NORM: cutlass.Constexpr[bool],
              HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool],
