@@ -89,7 +89,7 @@ from ..common.affine_output import correct_segment_outputs
 from ..common.prep import Recipe
 from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid
 
-BLOCK = 16  # rows of the triangular solve's diagonal blocks
+BLOCK = 16  # rows of an mma.sync tile in the solve, and of the diagonal blocks its first doubling makes
 # float32 row stride of A and T in shared memory: with 64 the rows' same columns share banks (the
 # accumulator's stores into A were 8-way conflicts, T's row reads by quarter rows as well)
 ROW_STRIDE = C + 8
