@@ -1,7 +1,8 @@
 """Pieces the CuTe DSL chunked prefill kernels for SM90 share (``lightning/chunk_cute.py``,
 ``delta_rule/chunk_cute.py``): one CTA per (sequence, value head), a producer warp streaming each
 chunk's q, k, v tiles by TMA, two consumer warpgroups each owning HALF = 64 rows of the state
-S^T [V, K] in wgmma accumulators and 64 output columns.
+S^T [V, K] in wgmma accumulators and 64 output columns (GDN's kernel adds an aux warpgroup and
+preparation warps, and streams v through a pipeline of its own).
 
 Device side: the swizzled operand tiles, wgmma issue, the TMA producer and its pipeline, the
 CTA's sequence, the rows' l2 norms, the state's load / restage / store, the end of a chunk (the
@@ -64,32 +65,35 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
 
 
 @cute.jit
-def row_inv_norms(tile: cute.Tensor, dst: cute.Tensor, tid: Int32, QK_L2NORM: cutlass.Constexpr[bool]):
-    """dst[r] = 1 / sqrt(sum_c tile[r, c]^2 + eps) for the 64 rows of a [64, 128] bf16 tile (two
-    threads a row, 16-byte loads), or 1."""
-    row = tid // 2
-    if const_expr(QK_L2NORM):
-        total = Float32(0.0)
-        part = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
-        for c in cutlass.range_constexpr(HEAD_DIM // 16):
-            col = c * 16 + (tid % 2) * 8
-            cute.autovec_copy(cute.local_tile(tile[row, None], (8,), (col // 8,)), part)
-            for e in cutlass.range_constexpr(8):
-                x = Float32(part[e])
-                total += x * x
-        total += cute.arch.shuffle_sync_bfly(total, offset=1)
-        if tid % 2 == 0:
-            dst[row] = cute.math.rsqrt(total + Float32(L2NORM_EPS), fastmath=True)
-    else:
-        if tid % 2 == 0:
-            dst[row] = Float32(1.0)
+def row_inv_norms(tile: cute.Tensor, dst: cute.Tensor, tid: Int32, QK_L2NORM: cutlass.Constexpr[bool],
+                  THREADS: cutlass.Constexpr[int] = 128):
+    """dst[r] = 1 / sqrt(sum_c tile[r, c]^2 + eps) for the 64 rows of a [64, 128] bf16 tile by
+    THREADS threads (two a row, 16-byte loads), or 1."""
+    for p in cutlass.range_constexpr(C // (THREADS // 2)):
+        row = tid // 2 + p * (THREADS // 2)
+        if const_expr(QK_L2NORM):
+            total = Float32(0.0)
+            part = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+            for c in cutlass.range_constexpr(HEAD_DIM // 16):
+                col = c * 16 + (tid % 2) * 8
+                cute.autovec_copy(cute.local_tile(tile[row, None], (8,), (col // 8,)), part)
+                for e in cutlass.range_constexpr(8):
+                    x = Float32(part[e])
+                    total += x * x
+            total += cute.arch.shuffle_sync_bfly(total, offset=1)
+            if tid % 2 == 0:
+                dst[row] = cute.math.rsqrt(total + Float32(L2NORM_EPS), fastmath=True)
+        else:
+            if tid % 2 == 0:
+                dst[row] = Float32(1.0)
 
 
 @cute.jit
 def produce(tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_tiles: cute.Tensor,
             tma_v: cute.CopyAtom, v_tiles: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-            loads, bos: Int32, num_chunks: Int32, h: Int32, hv: Int32):
-    """The producer warp: each chunk's q, k and v tiles into the next free stage, by TMA."""
+            loads, bos: Int32, num_chunks: Int32, h: Int32, hv: Int32, v_loads=None):
+    """The producer warp: each chunk's q, k and v tiles into the next free stage, by TMA. With
+    ``v_loads`` the v tiles go through that pipeline's stages, q and k through ``loads``'."""
     cpasync.prefetch_descriptor(tma_q)
     cpasync.prefetch_descriptor(tma_k)
     cpasync.prefetch_descriptor(tma_v)
@@ -101,17 +105,28 @@ def produce(tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_
         parts.append(cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
                                            cute.group_modes(g, 0, 2)))
     (sQ_part, gQ_part), (sK_part, gK_part), (sV_part, gV_part) = parts
-    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, loads.num_stages)
+    # (without v_loads unused; a loop-carried state of its own, not an alias of ``state``, which
+    # the loop rebinds)
+    v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                           loads.num_stages if v_loads is None else v_loads.num_stages)
     for j in cutlass.range(num_chunks, unroll=1):
         loads.producer_acquire(state)
         full = loads.producer_get_barrier(state)
         cute.copy(tma_q, gQ_part[None, j, 0], sQ_part[None, state.index], tma_bar_ptr=full)
         cute.copy(tma_k, gK_part[None, j, 0], sK_part[None, state.index], tma_bar_ptr=full)
+        v_full = full
+        v_stage = state.index
+        if const_expr(v_loads is not None):
+            v_loads.producer_acquire(v_state)
+            v_full = v_loads.producer_get_barrier(v_state)
+            v_stage = v_state.index
         for half in cutlass.range_constexpr(2):
-            cute.copy(tma_v, gV_part[None, j, half], sV_part[None, 2 * state.index + half],
-                      tma_bar_ptr=full)
+            cute.copy(tma_v, gV_part[None, j, half], sV_part[None, 2 * v_stage + half], tma_bar_ptr=v_full)
         loads.producer_commit(state)
         state.advance()
+        if const_expr(v_loads is not None):
+            v_state.advance()
 
 
 @cute.jit
@@ -223,13 +238,13 @@ def block_segment(cu_seqlens: cute.Tensor, state_indices: cute.Tensor, N: Int32,
     return n, hv, hv // GROUP, bos, length, (length + C - 1) // C, slot, sid, j, bos + length == seq_end
 
 
-def make_loads(barriers):
-    """The producer -> consumers pipeline of q, k and v tiles: STAGES buffers, one TMA
-    transaction of 3 C x 128 bf16 tiles each, one arrive per consumer warp."""
+def make_loads(barriers, stages: int = STAGES, tiles: int = 3, consumer_warps: int = 8, defer_sync: bool = False):
+    """A producer -> consumers pipeline of TMA tiles: ``stages`` buffers, one transaction of
+    ``tiles`` C x 128 bf16 tiles each (q, k and v by default), one arrive per consumer warp."""
     return pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers, num_stages=STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
-        tx_count=3 * C * HEAD_DIM * 2, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        barrier_storage=barriers, num_stages=stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=tiles * C * HEAD_DIM * 2, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=defer_sync)
 
 
 @cute.jit
@@ -284,14 +299,14 @@ def finish_chunk(accO: cute.Tensor, tOsO: cute.Tensor, accS: cute.Tensor, tSsS: 
                  out: cute.Tensor, thr_st, pool: cute.Tensor, checkpoint_indices: cute.Tensor,
                  checkpoint_every: Int32, num_checkpoints: Int32, n: Int32, hv: Int32, bos: Int32, j: Int32,
                  w: Int32, L: Int32, tid: Int32, HAS_CKPT: cutlass.Constexpr[bool], store=None):
-    """After chunk j's products (waited on): its outputs in bf16 through ``sO`` (tOsO: this
-    thread's part of it in the accumulator's layout) to rows t < L, the state restaged, and a
-    checkpoint where one falls. With ``store`` (``output_store``) a full chunk goes out by one
-    thread's TMA store, asynchronously (``output_read`` before sO is written again); a last,
-    partial chunk by the threads' 16-byte stores of its valid rows (the rows after them are
-    another sequence's). Against the threads' stores of every chunk: H200, graph replay, Lightning
-    64 heads 4 x 8192 0.348 -> 0.326 ns per token-head, 8 x 1024 0.430 -> 0.402; GDN 4 x 8192
-    0.813 -> 0.803."""
+    """After chunk j's products (waited on): its outputs in bf16 through ``sO`` (tOsO: this thread's
+    part of it in the accumulator's layout) to rows t < L, the state restaged into ``tSsS`` (None:
+    the caller keeps its operand in registers), and a checkpoint where one falls. With ``store``
+    (``output_store``) a full chunk goes out by one thread's TMA store, asynchronously
+    (``output_read`` before sO is written again); a last, partial chunk by the threads' 16-byte
+    stores of its valid rows (the rows after them are another sequence's). Against the threads'
+    stores of every chunk: H200, graph replay, Lightning 64 heads 4 x 8192 0.348 -> 0.326 ns per
+    token-head, 8 x 1024 0.430 -> 0.402; GDN 4 x 8192 0.813 -> 0.803."""
     out_staged = cute.make_rmem_tensor(accO.layout, BFloat16)
     for i in cutlass.range_constexpr(cute.size(accO)):
         out_staged[i] = BFloat16(accO[i])
@@ -309,7 +324,8 @@ def finish_chunk(accO: cute.Tensor, tOsO: cute.Tensor, accS: cute.Tensor, tSsS: 
             store_rows(sO, out, hv, bos, j, w, L, tid, False)
     else:
         store_rows(sO, out, hv, bos, j, w, L, tid, False)
-    stage_state(accS, tSsS)
+    if const_expr(tSsS is not None):
+        stage_state(accS, tSsS)
     if const_expr(HAS_CKPT):
         write_checkpoint(accS, thr_st, pool, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv, w, j, L)
 

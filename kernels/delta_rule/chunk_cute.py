@@ -16,35 +16,39 @@ With beta zero past the end, rows t >= L of A, T', T'', W and U are exactly zero
 sequence's tokens that fill the chunk's tail (or TMA's zeros past the tensor) change nothing.
 Every exponent is <= 0: nothing overflows.
 
-One CTA per (sequence, value head), three warpgroups, as ``lightning/chunk_cute.py``:
-- warpgroup 0, the producer: one warp streams each chunk's q, k and v tiles into a ring of
-  STAGES shared-memory buffers by TMA;
-- warpgroups 1 and 2, the consumers, each owning V / 2 = 64 state rows S^T [64 v, K] in float32
-  wgmma accumulators for the whole sequence. Per chunk, both together (named barriers between):
-  1. the gates (one warp: the fused gate, a warp scan for G, the beta sigmoid, exp(G) and the
-     tail decays, loaded a chunk ahead) and row norms (consumer 0: k, consumer 1: q);
-  2. consumer 0 forms A = K K^T (wgmma) into float32 shared memory, consumer 1 P = Q K^T (bf16);
-  3. T = (I + A)^-1 by both (``_invert``: 8 x 8 diagonal blocks by forward substitution in
-     float32, then three doublings on the tensor cores in tf32), T' and T'' written in bf16
-     where T is;
-  4. W = T'' K, each consumer 64 of its K columns (wgmma), stored as -W in bf16;
-  5. each consumer its own rows: U^T (two wgmma into one accumulator), O^T = S^T Q^T, then
-     O^T += U^T P^T and the state update with U^T from registers (wgmma's register A operand),
-     the output through shared memory in 16-byte rows.
+One CTA per (sequence, value head), four warpgroups specialised so that one chunk's state-free
+products (A, the solve, W, P) overlap the previous chunk's state chain:
+- warpgroup 0, loads: warp 0 streams each chunk's q and k tiles into a ring of QK_STAGES
+  shared-memory buffers and v into V_STAGES, by TMA; warps 1 .. 3 prepare the chunk's per-row
+  vectors in the slot of its q / k stage (``_prepare``): the gates (the fused gate, a warp scan
+  for G, the beta sigmoid, exp(G) and the tail decays, loaded a chunk ahead), k's and q's row norms;
+- warpgroup 3, the aux, a chunk ahead (``_aux``): A = K K^T and P = Q K^T (wgmma), scaled;
+  T = (I + A)^-1 (``_invert``: 8 x 8 diagonal blocks by forward substitution in float32, then
+  three doublings on the tensor cores in tf32) with T' and T'' in bf16; -W = -T'' K (wgmma).
+  P goes to one of PRODUCT_STAGES buffers; T' and -W (where A was) to single buffers, released
+  by the state warpgroups (named barrier W_FREE) once U has read them;
+- warpgroups 1 and 2, the state (``_state_math``), each owning V / 2 = 64 state rows S^T [64 v, K]
+  in float32 wgmma accumulators for the whole sequence, S^T in bf16 registers as the products'
+  A operand. Per chunk: U^T = V^T T'^T - S^T W^T (two wgmma into one accumulator) and
+  O^T = S^T Q^T, then O^T += U^T P^T and the state update with U^T from registers, the output
+  through shared memory by TMA store.
 The state update takes U^T as two bf16 parts (hi + lo: 16 bits of mantissa) as Lightning's does:
 the state carries its error across chunks. T', T'', W, S^T (in W S and Q S) and P are bf16 operands,
 as in FLA's pipeline; the accumulations are float32. Relative error against the float64 oracle at
 the model shapes: 3.6e-3 (Triton's kernel 2.7e-3, FLA 4.7e-3; the bf16 tolerance is 5e-3).
 
-Speed (H100, 32 heads, ``bench_serving kernels``, eager): 4 x 8192 0.97 ns per token-head (FLA
-2.20, our Triton kernel 2.42), 8 x 1024 1.07 (2.87, 2.56). A chunk took about 13.9k cycles,
-by clock64 probes: the solve 4.5k, the chain's products and scalings 3.7k, K K^T / Q K^T and
-their scaling 1.8k, the output and the state's restaging 1.2k, gates and norms 1.1k, W 0.8k.
-The solve's doublings on the tensor cores, then 8 x 8 diagonal blocks, took 4 x 8192 on an
-H200 from 0.964 to 0.898 and 0.815 ns per token-head (CUDA-graph replay, same error).
-The phases run one after the other, latency-bound (a quarter of the issue slots busy). Not done:
-overlapping one chunk's solve with the previous chunk's chain (warp specialisation between
-them; shared memory is full at 2 stages).
+Speed (H200, CUDA-graph replay, ns per token-head, the serial kernel before it in the same run in
+brackets: two warpgroups doing every phase in turn): 4 x 8192 0.803 (0.801), 8 x 1024 0.923
+(0.896), 1 x 2048 3.30 (3.43), with segments 1 x 32768 2.00 (2.01), TP4 1 x 8192 3.64 (3.50).
+clock64 probes of one CTA at 4 x 8192 show the aux is the bottleneck: about 17k cycles a chunk
+(the solve 8.2-8.7k; A's and P's stores with the P slot's wait 2.2-3.5k; W 2.1-2.5k; K K^T and
+Q K^T 1.5k; their scaling 1.5k) while the state warpgroups need about 9k and wait the rest. The solve
+ran 5.5k when the state warps were idle: on one warp per scheduler it is latency-bound and
+contends with the state's CUDA-core phases. Registers: 24 / 120 / 184 per thread for loads /
+aux / state; at 104 for the aux its spills took 4 x 8192 to 1.05.
+Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
+on the tensor cores), the chain's products and scalings 3.7k, K K^T / Q K^T and their scaling
+1.8k, the output and the state's restaging 1.2k, gates and norms 1.1k, W 0.8k.
 
 Segments (in-card context parallelism, ``kernels/common/segments.py``): one sequence is only HV
 CTAs, so a batch that leaves SMs idle is cut into segments (``segments.one_pass_segment_tokens``) that run
@@ -76,14 +80,13 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cute.nvgpu.warp import MmaTF32Op
+from cutlass.cute.nvgpu.warp import MmaTF32Op, StMatrix8x8x16bOp
 import cuda.bindings.driver as cuda
 
-from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, PRODUCER_REGS, STAGES, THREADS, block_segment,
-                                   block_sequence, check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor,
-                                   launch, launch_arguments, load_state, make_loads, output_read, output_store,
-                                   produce, row_inv_norms, stage_state, store_state, tensor_views, transposed,
-                                   unsupported as unsupported_rows, zero_rows)
+from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, block_segment, block_sequence, check_index_dtypes,
+                                   checkpoints, finish_chunk, gemm, kmajor, launch, launch_arguments, load_state,
+                                   make_loads, output_read, output_store, produce, row_inv_norms, store_state,
+                                   tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
 from ..common import segments
 from ..common.affine_output import correct_segment_outputs
 from ..common.prep import Recipe
@@ -94,9 +97,19 @@ BLOCK = 16  # rows of an mma.sync tile in the solve, and of the diagonal blocks 
 # accumulator's stores into A were 8-way conflicts, T's row reads by quarter rows as well)
 ROW_STRIDE = C + 8
 TF32_HALF_ULP = 1 << 12  # float32 bits: tf32 keeps the top 10 of the 23 mantissa bits
-CONSUMER_REGS = 240
-ALL = 3  # named barrier of both consumer warpgroups (0 is the CTA's, 1 and 2 each consumer's)
-PAIR = 4  # named barriers 4 and 5: consumer 0's warps 0 and 1, and 2 and 3, in the solve
+GDN_THREADS = 512  # the load warpgroup, two state warpgroups, the aux warpgroup
+QK_STAGES = 3  # q / k tiles in flight: a chunk's are read from the aux's turn to the end of the state's
+V_STAGES = 2
+PRODUCT_STAGES = 2  # P buffers: the aux writes the next chunk's while the state warpgroups read this one's
+VECTORS = 6  # per-row float32 vectors of a chunk (``_vectors``)
+# registers per thread: 65536 over the four warpgroups
+LOAD_REGS = 24
+AUX_REGS = 120
+STATE_REGS = 184
+# named barriers: 0 is the CTA's, 1 and 2 each state warpgroup's (``finish_chunk``)
+AUX = 3  # the aux warpgroup
+PAIR = 4  # 4 and 5: the aux's warps 0 and 1, and 2 and 3, in the solve
+W_FREE = 6  # the state warpgroups arrive once U has read T' and W; the aux waits before overwriting them
 
 
 @cute.jit
@@ -180,7 +193,7 @@ def _store_scaled(sTv: cute.Tensor, sTk: cute.Tensor, row, col0, values: list, f
 @cute.jit
 def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor,
             sB: cute.Tensor, rk: cute.Tensor, ctid: Int32):
-    """T = (I + A)^-1 for the strictly lower float32 A (64 x 64) by the 256 consumer threads, and
+    """T = (I + A)^-1 for the strictly lower float32 A (64 x 64) by the aux warpgroup, and
     from it T' and T'' in bf16, each value scaled and stored where it is computed (the upper
     blocks of T, T' and T'' are zero from the start and stay so).
 
@@ -195,63 +208,64 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor
     cycles per chunk (H100, 4 x 8192)."""
     warp_id = ctid // 32
     lane = ctid % 32
-    if warp_id < 4:
-        corner = BLOCK * warp_id
-        if lane < BLOCK:
-            c = corner + lane
-            base = (c // 8) * 8
-            # views at the block's corner and the column's top: one base address, constant offsets
-            block_A = cute.make_tensor(sA.iterator + base * (ROW_STRIDE + 1),
-                                       cute.make_layout((8, 8), stride=(ROW_STRIDE, 1)))
-            column_T = cute.make_tensor(sT.iterator + base * ROW_STRIDE + c, cute.make_layout(8, stride=ROW_STRIDE))
-            # x = e_d - A e_d - ..., d = c - base: the unit x_d enters through its column of A (zero
-            # on and above the diagonal), and x_d itself is written last. Selecting e_d's entries by
-            # row instead gave loop-invariant registers, which were spilled and reloaded per chunk.
-            d = c - base
-            x = [-block_A[i, d] for i in range(8)]
-            for m in cutlass.range_constexpr(8):
-                for i in cutlass.range_constexpr(m + 1, 8):
-                    x[i] = x[i] - block_A[i, m] * x[m]
-            factors = _column_factors(sDecay, sB, rk, c, 1)
-            for i in cutlass.range_constexpr(8):
-                column_T[i] = x[i]
-                _store_scaled(sTv, sTk, base + i, c, [x[i]], factors)
-            column_T[d] = Float32(1.0)
-            _store_scaled(sTv, sTk, c, c, [Float32(1.0)], factors)
-        cute.arch.sync_warp()
-        # rows 8 .. 15 of 16-row products: X = -A_10 T_00 (rows 8 warp_id .. + 7 of the upper right
-        # block), then T_10 = T_11 X (rows 0 .. 7 multiply the zero block above T_11)
-        acc, rc = _tile_product(_block(sA, corner, corner, BLOCK, 8), _block(sT, corner, corner, 8, 8, True), lane)
-        _store_tile(sT, acc, rc, 8 * warp_id - 8, C // 2, Float32(-1.0), 8)
-        cute.arch.sync_warp()
-        acc, rc = _tile_product(_block(sT, corner, corner + 8, BLOCK, 8), _block(sT, 8 * warp_id, C // 2, 8, 8, True),
-                                lane)
-        _store_tile(sT, acc, rc, corner, corner, Float32(1.0), 8)
-        _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, corner, corner, 8)
-        # the 32 x 32 diagonal block at rows 32 h: rows 32 h + 16 .. + 31 from rows 32 h .. + 15,
-        # by warps 2 h and 2 h + 1 (8 of the 16 columns each) on their own barrier
-        h = warp_id // 2
-        n0 = 8 * (warp_id % 2)
-        pair_corner = 2 * BLOCK * h
-        cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
-        acc, rc = _tile_product(_block(sA, pair_corner + BLOCK, pair_corner, BLOCK, BLOCK),
-                                _block(sT, pair_corner, pair_corner + n0, BLOCK, 8, True), lane)
-        _store_tile(sT, acc, rc, 0, C // 2 + BLOCK * h + n0, Float32(-1.0))
-        cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
-        acc, rc = _tile_product(_block(sT, pair_corner + BLOCK, pair_corner + BLOCK, BLOCK, BLOCK),
-                                _block(sT, 0, C // 2 + BLOCK * h + n0, BLOCK, 8, True), lane)
-        _store_tile(sT, acc, rc, pair_corner + BLOCK, pair_corner + n0, Float32(1.0))
-        _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, pair_corner + BLOCK, pair_corner + n0)
-    cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    # rows 32 .. 63 from rows 0 .. 31: a warp per 16 x 8 tile
-    r0 = BLOCK * (warp_id // 4)
-    n0 = 8 * (warp_id % 4)
-    acc, rc = _tile_product(_block(sA, C // 2 + r0, 0, BLOCK, C // 2), _block(sT, 0, n0, C // 2, 8, True), lane)
-    _store_tile(sT, acc, rc, r0, C // 2 + n0, Float32(-1.0))
-    cute.arch.barrier(barrier_id=ALL, number_of_threads=256)
-    acc, rc = _tile_product(_block(sT, C // 2 + r0, C // 2, BLOCK, C // 2), _block(sT, 0, C // 2 + n0, C // 2, 8, True),
+    corner = BLOCK * warp_id
+    if lane < BLOCK:
+        c = corner + lane
+        base = (c // 8) * 8
+        # views at the block's corner and the column's top: one base address, constant offsets
+        block_A = cute.make_tensor(sA.iterator + base * (ROW_STRIDE + 1),
+                                   cute.make_layout((8, 8), stride=(ROW_STRIDE, 1)))
+        column_T = cute.make_tensor(sT.iterator + base * ROW_STRIDE + c, cute.make_layout(8, stride=ROW_STRIDE))
+        # x = e_d - A e_d - ..., d = c - base: the unit x_d enters through its column of A (zero
+        # on and above the diagonal), and x_d itself is written last. Selecting e_d's entries by
+        # row instead gave loop-invariant registers, which were spilled and reloaded per chunk.
+        d = c - base
+        x = [-block_A[i, d] for i in range(8)]
+        for m in cutlass.range_constexpr(8):
+            for i in cutlass.range_constexpr(m + 1, 8):
+                x[i] = x[i] - block_A[i, m] * x[m]
+        factors = _column_factors(sDecay, sB, rk, c, 1)
+        for i in cutlass.range_constexpr(8):
+            column_T[i] = x[i]
+            _store_scaled(sTv, sTk, base + i, c, [x[i]], factors)
+        column_T[d] = Float32(1.0)
+        _store_scaled(sTv, sTk, c, c, [Float32(1.0)], factors)
+    cute.arch.sync_warp()
+    # rows 8 .. 15 of 16-row products: X = -A_10 T_00 (rows 8 warp_id .. + 7 of the upper right
+    # block), then T_10 = T_11 X (rows 0 .. 7 multiply the zero block above T_11)
+    acc, rc = _tile_product(_block(sA, corner, corner, BLOCK, 8), _block(sT, corner, corner, 8, 8, True), lane)
+    _store_tile(sT, acc, rc, 8 * warp_id - 8, C // 2, Float32(-1.0), 8)
+    cute.arch.sync_warp()
+    acc, rc = _tile_product(_block(sT, corner, corner + 8, BLOCK, 8), _block(sT, 8 * warp_id, C // 2, 8, 8, True),
                             lane)
-    _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, C // 2 + r0, n0)
+    _store_tile(sT, acc, rc, corner, corner, Float32(1.0), 8)
+    _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, corner, corner, 8)
+    # the 32 x 32 diagonal block at rows 32 h: rows 32 h + 16 .. + 31 from rows 32 h .. + 15,
+    # by warps 2 h and 2 h + 1 (8 of the 16 columns each) on their own barrier
+    h = warp_id // 2
+    n0 = 8 * (warp_id % 2)
+    pair_corner = 2 * BLOCK * h
+    cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
+    acc, rc = _tile_product(_block(sA, pair_corner + BLOCK, pair_corner, BLOCK, BLOCK),
+                            _block(sT, pair_corner, pair_corner + n0, BLOCK, 8, True), lane)
+    _store_tile(sT, acc, rc, 0, C // 2 + BLOCK * h + n0, Float32(-1.0))
+    cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
+    acc, rc = _tile_product(_block(sT, pair_corner + BLOCK, pair_corner + BLOCK, BLOCK, BLOCK),
+                            _block(sT, 0, C // 2 + BLOCK * h + n0, BLOCK, 8, True), lane)
+    _store_tile(sT, acc, rc, pair_corner + BLOCK, pair_corner + n0, Float32(1.0))
+    _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, pair_corner + BLOCK, pair_corner + n0)
+    cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
+    # rows 32 .. 63 from rows 0 .. 31: a warp per 8 columns, two 16 x 8 tiles each
+    n0 = 8 * warp_id
+    for r in cutlass.range_constexpr(2):
+        acc, rc = _tile_product(_block(sA, C // 2 + BLOCK * r, 0, BLOCK, C // 2), _block(sT, 0, n0, C // 2, 8, True),
+                                lane)
+        _store_tile(sT, acc, rc, BLOCK * r, C // 2 + n0, Float32(-1.0))
+    cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
+    for r in cutlass.range_constexpr(2):
+        acc, rc = _tile_product(_block(sT, C // 2 + BLOCK * r, C // 2, BLOCK, C // 2),
+                                _block(sT, 0, C // 2 + n0, C // 2, 8, True), lane)
+        _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, C // 2 + BLOCK * r, n0)
 
 
 @cute.jit
@@ -312,89 +326,198 @@ def _store_scaled_tile(sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor, 
 
 
 @cute.jit
-def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, w: Int32, tid: Int32,
-             out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, g: cute.Tensor,
-             beta: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor, has_initial_state: cute.Tensor,
-             checkpoint_indices: cute.Tensor,
-             checkpoint_every: Int32, num_checkpoints: Int32, scale: Float32, n: Int32, hv: Int32, bos: Int32,
-             length: Int32, num_chunks: Int32, slot: Int64, live, segment: tuple, layouts: cutlass.Constexpr,
-             QK_L2NORM: cutlass.Constexpr[bool], GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool],
-             BETA_LOGITS: cutlass.Constexpr[bool], HAS_POOL: cutlass.Constexpr[bool],
-             HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
-             SEGMENTED: cutlass.Constexpr[bool]):
-    """A consumer warpgroup: state rows and output columns w * 64 .. w * 64 + 63 (module docstring).
+def _vectors(storage, slot: Int32) -> tuple:
+    """Chunk slot ``slot``'s per-row vectors in shared memory, each float32 [C]: (G, beta, exp(G),
+    tail, rq, rk) as ``_chunk_gates`` and ``row_inv_norms`` write them."""
+    base = storage.vectors.data_ptr() + slot * (VECTORS * C)
+    return tuple(cute.make_tensor(base + e * C, cute.make_layout(C)) for e in range(VECTORS))
 
-    SEGMENTED: ``segment`` = (transitions, q_carried, sid, j, last, maps), the CTA a segment's
-    (``_gdn_kernel``): value rows (maps false) start from the pool in a sequence's first segment
-    (j = 0) and from zeros after it; map rows start from the identity and see zero values, their
-    outputs go to q_carried. Final states go to transitions[sid] (value rows 0 .. 127, map rows
-    128 .. 255) except a whole sequence's, which goes to the pool."""
-    state_layout, out_layout, square, wide = layouts
-    ctid = w * 128 + tid
-    sS = storage.sS.get_tensor(state_layout.outer, swizzle=state_layout.inner)[None, None, w]
-    sO_both = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)
-    sO = sO_both[None, None, w]
-    sP = storage.sP.get_tensor(square.outer, swizzle=square.inner)
-    sTv = storage.sTv.get_tensor(square.outer, swizzle=square.inner)
-    sTk = storage.sTk.get_tensor(square.outer, swizzle=square.inner)
-    sW = storage.sW.get_tensor(wide.outer, swizzle=wide.inner)
-    sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
-    sT = cute.make_tensor(storage.sT.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
-    sG = cute.make_tensor(storage.gate.data_ptr(), cute.make_layout(C))
-    sDecay = cute.make_tensor(storage.decay.data_ptr(), cute.make_layout(C))
-    sTail = cute.make_tensor(storage.tail.data_ptr(), cute.make_layout(C))
-    sB = cute.make_tensor(storage.beta.data_ptr(), cute.make_layout(C))
-    rq = cute.make_tensor(storage.rq.data_ptr(), cute.make_layout(C))
-    rk = cute.make_tensor(storage.rk.data_ptr(), cute.make_layout(C))
 
-    K_ = warpgroup.OperandMajorMode.K
-    MN = warpgroup.OperandMajorMode.MN
-    RMEM = warpgroup.OperandSource.RMEM
-    mma_ss = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (C, HALF))
-    mma_vt = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, MN, K_, Float32, (1, 1, 1), (HALF, C))
-    mma_w = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (C, HALF))
-    mma_up = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (HALF, C),
-                                               a_source=RMEM)
-    mma_st = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (HALF, HEAD_DIM),
-                                               a_source=RMEM)
-    thr_ss = mma_ss.get_slice(tid)
-    thr_vt = mma_vt.get_slice(tid)
-    thr_w = mma_w.get_slice(tid)
-    thr_up = mma_up.get_slice(tid)
-    thr_st = mma_st.get_slice(tid)
-
-    # operands (per stage for q / k / v)
-    tXrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK))                       # K [t, k]
-    tXrQ = mma_ss.make_fragment_A(thr_ss.partition_A(sQ))                       # Q [t, k]
-    tXrKb = mma_ss.make_fragment_B(thr_ss.partition_B(sK))                      # K [s, k]
-    tOrQ = mma_ss.make_fragment_B(thr_ss.partition_B(sQ))                       # Q [t, k]
-    tUrS = mma_ss.make_fragment_A(thr_ss.partition_A(sS))                       # S^T' [v, k]
-    tUrW = mma_ss.make_fragment_B(thr_ss.partition_B(sW))                       # -W [t, k]
-    tUrV = mma_vt.make_fragment_A(thr_vt.partition_A(transposed(sV)))         # V^T [v, s]
-    tUrT = mma_vt.make_fragment_B(thr_vt.partition_B(sTv))                      # T' [t, s]
-    tWrT = mma_w.make_fragment_A(thr_w.partition_A(sTk))                        # T'' [t, s]
-    tOrP = mma_up.make_fragment_B(thr_up.partition_B(sP))                       # P [t, s]
-    tSrK = mma_st.make_fragment_B(thr_st.partition_B(transposed(sK)))          # K as [k, s]
-    accX = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
-    accU = cute.make_rmem_tensor(thr_ss.partition_shape_C((HALF, C)), Float32)
-    accO = cute.make_rmem_tensor(thr_ss.partition_shape_C((HALF, C)), Float32)
-    accS = cute.make_rmem_tensor(thr_st.partition_shape_C((HALF, HEAD_DIM)), Float32)
-    tUrU = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
-    tSrU_hi = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
-    tSrU_lo = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
-    # the (row, column) coordinates of each thread's 64 x 64 accumulator elements
-    cX = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
-    tXsP = thr_ss.partition_C(sP)
-    p_staged = cute.make_rmem_tensor(accX.layout, BFloat16)
-    w_staged = cute.make_rmem_tensor(accX.layout, BFloat16)
-    tWsW = thr_w.partition_C(cute.local_tile(sW, (C, HALF), (0, w)))
-
+@cute.jit
+def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Tensor, beta: cute.Tensor,
+             A_log: cute.Tensor, dt_bias: cute.Tensor, hv: Int32, bos: Int32, length: Int32, num_chunks: Int32,
+             warp: Int32, lane: Int32, QK_L2NORM: cutlass.Constexpr[bool], GATE: cutlass.Constexpr[int],
+             HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool]):
+    """Warps 1 .. 3 of the load warpgroup: each chunk's vectors into the slot of its q / k stage
+    (which holds nothing older once the chunk's tiles have landed). Warp 1 the gates (their raw
+    inputs loaded a chunk ahead), warp 2 k's row norms, warp 3 q's; then ``ready``."""
     A = Float32(1.0)
     bias = Float32(0.0)
     if const_expr(GATE != GATE_NONE):
         A = cute.math.exp(Float32(A_log[hv]), fastmath=True)
         if const_expr(HAS_DT_BIAS):
             bias = Float32(dt_bias[hv])
+    gate_warp = warp == 1
+    # only the gate warp loads (the others' empty rows load nothing)
+    raw = _load_gates(g, beta, bos, cutlass.select_(gate_warp, length, 0), hv, lane)
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
+    for j in cutlass.range(num_chunks, unroll=1):
+        loads.consumer_wait(state)
+        sG, sB, sDecay, sTail, rq, rk = _vectors(storage, state.index)
+        if gate_warp:
+            _chunk_gates(raw, sG, sB, sDecay, sTail, cutlass.min(length - j * C, C), A, bias, lane, GATE,
+                         BETA_LOGITS)
+        elif warp == 2:
+            row_inv_norms(sK[None, None, state.index], rk, lane, QK_L2NORM, 32)
+        else:
+            row_inv_norms(sQ[None, None, state.index], rq, lane, QK_L2NORM, 32)
+        raw = _load_gates(g, beta, bos + (j + 1) * C, cutlass.select_(gate_warp, length - (j + 1) * C, 0), hv,
+                          lane)
+        ready.producer_commit(state)
+        state.advance()
+
+
+@cute.jit
+def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid: Int32, scale: Float32,
+         num_chunks: Int32, layouts: cutlass.Constexpr):
+    """The aux warpgroup, a chunk ahead of the state warpgroups: per chunk A = K K^T and P = Q K^T
+    (wgmma), scaled by the gates and norms; T = (I + A)^-1 with T' and T'' (``_invert``); -W = -T'' K.
+    P goes to its slot of ``products``; T' and -W (in A's place) to single buffers, which the
+    state warpgroups release on ``W_FREE`` once U has read them."""
+    square, wide, products_layout = layouts
+    sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
+    sTv = storage.sTv.get_tensor(square.outer, swizzle=square.inner)
+    sTk = storage.sTk.get_tensor(square.outer, swizzle=square.inner)
+    sW = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), wide.inner, dtype=BFloat16), wide.outer)
+    sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
+    sT = cute.make_tensor(storage.sT.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
+
+    K_ = warpgroup.OperandMajorMode.K
+    MN = warpgroup.OperandMajorMode.MN
+    mma_ss = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (C, C))
+    mma_w = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (C, HALF))
+    thr_ss = mma_ss.get_slice(tid)
+    thr_w = mma_w.get_slice(tid)
+    tXrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK))                       # K [t, k]
+    tXrQ = mma_ss.make_fragment_A(thr_ss.partition_A(sQ))                       # Q [t, k]
+    tXrKb = mma_ss.make_fragment_B(thr_ss.partition_B(sK))                      # K [s, k]
+    tWrT = mma_w.make_fragment_A(thr_w.partition_A(sTk))                        # T'' [t, s]
+    accA = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
+    accP = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
+    accW = cute.make_rmem_tensor(thr_w.partition_shape_C((C, HALF)), Float32)
+    cX = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
+    p_staged = cute.make_rmem_tensor(accP.layout, BFloat16)
+    w_staged = cute.make_rmem_tensor(accW.layout, BFloat16)
+    # bf16 tiles leave the accumulators by stmatrix: an address per four 8 x 8 blocks, where
+    # element stores into the swizzled tiles kept an address per element live (and spilled)
+    stsm = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+    p_copy = cute.make_tiled_copy_C(stsm, mma_ss).get_slice(tid)
+    w_copy = cute.make_tiled_copy_C(stsm, mma_w).get_slice(tid)
+    tPsP = p_copy.partition_D(sP)
+
+    # the blocks of T, T' and T'' above the diagonal stay zero; the solve writes the others
+    for e in cutlass.range(tid, C * C, 128, unroll=1):
+        sT[e // C, e % C] = Float32(0.0)
+        sTv[e // C, e % C] = BFloat16(0.0)
+        sTk[e // C, e % C] = BFloat16(0.0)
+    cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
+
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
+    out = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, PRODUCT_STAGES)
+    for j in cutlass.range(num_chunks, unroll=1):
+        loads.consumer_wait(state)
+        stage = state.index
+        warpgroup.fence()
+        gemm(mma_ss, accA, tXrK[None, None, None, stage], tXrKb[None, None, None, stage], False)
+        gemm(mma_ss, accP, tXrQ[None, None, None, stage], tXrKb[None, None, None, stage], False)
+        ready.consumer_wait(state)
+        sG, sB, sDecay, sTail, rq, rk = _vectors(storage, stage)
+        warpgroup.wait_group(0)
+        # factors first, stores after: a store between them would make every factor's shared loads
+        # be issued again (the compiler cannot tell sA from sG)
+        for i in cutlass.range_constexpr(cute.size(accP)):
+            t, s = cX[i]
+            exponent = cutlass.select_(s <= t, sG[t] - sG[s], Float32(0.0))
+            f = cute.math.exp2(exponent * Float32(LOG2E), fastmath=True) * (scale * rq[t] * rk[s])
+            p_staged[i] = BFloat16(cutlass.select_(s <= t, accP[i] * f, Float32(0.0)))
+        for i in cutlass.range_constexpr(cute.size(accA)):
+            t, s = cX[i]
+            f = cute.math.exp2((sG[t] - sG[s]) * Float32(LOG2E), fastmath=True) * (sB[t] * rk[t] * rk[s])
+            accA[i] = cutlass.select_(s < t, accA[i] * f, Float32(0.0))
+        if j > 0:
+            # the previous chunk's U has read T' and W (W lives where A goes)
+            cute.arch.barrier(barrier_id=W_FREE, number_of_threads=384)
+        for i in cutlass.range_constexpr(cute.size(accA)):
+            t, s = cX[i]
+            sA[t, s] = accA[i]
+        products.producer_acquire(out)
+        cute.copy(p_copy, p_copy.retile(p_staged), tPsP[None, None, None, out.index])
+        cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # A written
+
+        _invert(sA, sT, sTv, sTk, sDecay, sB, rk, tid)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # T'' visible to wgmma, A read
+
+        # -W [t, k], 64 columns k of K at a time
+        for half in cutlass.range_constexpr(2):
+            tWrK = mma_w.make_fragment_B(thr_w.partition_B(
+                cute.local_tile(transposed(sK)[None, None, stage], (HALF, C), (half, 0))))
+            warpgroup.fence()
+            gemm(mma_w, accW, tWrT, tWrK, False)
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(accW)):
+                w_staged[i] = BFloat16(-accW[i])
+            cute.copy(w_copy, w_copy.retile(w_staged), w_copy.partition_D(cute.local_tile(sW, (C, HALF), (0, half))))
+        loads.consumer_release(state)
+        cute.arch.fence_proxy("async.shared", space="cta")  # P, T' and -W visible to the state's wgmma
+        products.producer_commit(out)
+        state.advance()
+        out.advance()
+    if num_chunks > 0:
+        cute.arch.barrier(barrier_id=W_FREE, number_of_threads=384)  # the last chunk's release
+
+
+@cute.jit
+def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, v_loads, products, w: Int32,
+                tid: Int32, out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor,
+                has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor, checkpoint_every: Int32,
+                num_checkpoints: Int32, scale: Float32, n: Int32, hv: Int32, bos: Int32, length: Int32,
+                num_chunks: Int32, slot: Int64, live, segment: tuple, layouts: cutlass.Constexpr,
+                HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool],
+                HAS_CKPT: cutlass.Constexpr[bool], SEGMENTED: cutlass.Constexpr[bool]):
+    """A state warpgroup: state rows and output columns w * 64 .. w * 64 + 63 (module docstring),
+    the chunk's chain from the aux's products.
+
+    SEGMENTED: ``segment`` = (transitions, q_carried, sid, j, last, maps), the CTA a segment's
+    (``_gdn_kernel``): value rows (maps false) start from the pool in a sequence's first segment
+    (j = 0) and from zeros after it; map rows start from the identity and see zero values, their
+    outputs go to q_carried. Final states go to transitions[sid] (value rows 0 .. 127, map rows
+    128 .. 255) except a whole sequence's, which goes to the pool."""
+    out_layout, square, wide, products_layout = layouts
+    sO_both = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)
+    sO = sO_both[None, None, w]
+    sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
+    sTv = storage.sTv.get_tensor(square.outer, swizzle=square.inner)
+    sW = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), wide.inner, dtype=BFloat16), wide.outer)
+
+    K_ = warpgroup.OperandMajorMode.K
+    MN = warpgroup.OperandMajorMode.MN
+    RMEM = warpgroup.OperandSource.RMEM
+    mma_vt = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, MN, K_, Float32, (1, 1, 1), (HALF, C))
+    mma_up = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (HALF, C),
+                                               a_source=RMEM)
+    mma_st = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (HALF, HEAD_DIM),
+                                               a_source=RMEM)
+    thr_vt = mma_vt.get_slice(tid)
+    thr_up = mma_up.get_slice(tid)
+    thr_st = mma_st.get_slice(tid)
+
+    tUrV = mma_vt.make_fragment_A(thr_vt.partition_A(transposed(sV)))         # V^T [v, s]
+    tUrT = mma_vt.make_fragment_B(thr_vt.partition_B(sTv))                      # T' [t, s]
+    tUrW = mma_up.make_fragment_B(thr_up.partition_B(sW))                       # -W [t, k]
+    tOrQ = mma_up.make_fragment_B(thr_up.partition_B(sQ))                       # Q [t, k]
+    tOrP = mma_up.make_fragment_B(thr_up.partition_B(sP))                       # P [t, s]
+    tSrK = mma_st.make_fragment_B(thr_st.partition_B(transposed(sK)))          # K as [k, s]
+    accU = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), Float32)
+    accO = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), Float32)
+    accS = cute.make_rmem_tensor(thr_st.partition_shape_C((HALF, HEAD_DIM)), Float32)
+    # S^T in bf16 as the register A operand (the accumulator's layout is the operand's)
+    tUrS = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, HEAD_DIM)))
+    tUrU = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
+    tSrU_hi = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
+    tSrU_lo = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
+    cU = thr_up.partition_C(cute.make_identity_tensor((HALF, C)))  # (row, column) of each element
+
     if const_expr(SEGMENTED):
         transitions, q_carried, sid, j_segment, last, maps = segment
         load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live & (j_segment == 0) & (maps == 0),
@@ -406,124 +529,75 @@ def _consume(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, 
                 accS[i] = cutlass.select_(w * HALF + r == c, Float32(1.0), Float32(0.0))
     else:
         load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live, HAS_POOL, HAS_INIT_FLAGS)
-    tSsS = thr_st.partition_C(sS)
-    tOsO = thr_ss.partition_C(transposed(sO))  # O^T [v, t] over the [t, v] tile
+    tOsO = thr_up.partition_C(transposed(sO))  # O^T [v, t] over the [t, v] tile
     store = output_store(tma_o, o_tiles, sO_both, bos, hv)
 
     if live:
-        # the blocks of T, T' and T'' above the diagonal stay zero; the solve writes the others
-        for e in cutlass.range(ctid, C * C, 256, unroll=1):
-            sT[e // C, e % C] = Float32(0.0)
-            sTv[e // C, e % C] = BFloat16(0.0)
-            sTk[e // C, e % C] = BFloat16(0.0)
-        stage_state(accS, tSsS)  # S^T' for the first chunk's products
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        lane = ctid % 32
-        gate_warp = ctid < 32
-        # only the gate warp loads (the others' empty rows load nothing)
-        raw = _load_gates(g, beta, bos, cutlass.select_(gate_warp, length, 0), hv, lane)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, V_STAGES)
+        chunk = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, PRODUCT_STAGES)
         for j in cutlass.range(num_chunks, unroll=1):
             L = cutlass.min(length - j * C, C)
-            if gate_warp:
-                _chunk_gates(raw, sG, sB, sDecay, sTail, L, A, bias, lane, GATE, BETA_LOGITS)
-            raw = _load_gates(g, beta, bos + (j + 1) * C, cutlass.select_(gate_warp, length - (j + 1) * C, 0), hv,
-                              lane)
-            loads.consumer_wait(state)
-            stage = state.index
-            v_half = 2 * stage + w
-            if w == 0:
-                row_inv_norms(sK[None, None, stage], rk, tid, QK_L2NORM)
-            else:
-                row_inv_norms(sQ[None, None, stage], rq, tid, QK_L2NORM)
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                tUrS[i] = BFloat16(accS[i])
             output_read(tid)
-            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # gates, norms, S^T' visible, sO free
-
-            # consumer 0: A = K K^T (float32, for the solve); consumer 1: P = Q K^T (bf16 operand)
-            warpgroup.fence()
-            if w == 0:
-                gemm(mma_ss, accX, tXrK[None, None, None, stage], tXrKb[None, None, None, stage], False)
-            else:
-                gemm(mma_ss, accX, tXrQ[None, None, None, stage], tXrKb[None, None, None, stage], False)
-            warpgroup.wait_group(0)
-            if w == 0:
-                # factors first, stores after: a store between them would make every factor's
-                # shared loads be issued again (the compiler cannot tell sA from sG)
-                for i in cutlass.range_constexpr(cute.size(accX)):
-                    t, s = cX[i]
-                    f = cute.math.exp2((sG[t] - sG[s]) * Float32(LOG2E), fastmath=True) * (sB[t] * rk[t] * rk[s])
-                    accX[i] = cutlass.select_(s < t, accX[i] * f, Float32(0.0))
-                for i in cutlass.range_constexpr(cute.size(accX)):
-                    t, s = cX[i]
-                    sA[t, s] = accX[i]
-            else:
-                for i in cutlass.range_constexpr(cute.size(accX)):
-                    t, s = cX[i]
-                    exponent = cutlass.select_(s <= t, sG[t] - sG[s], Float32(0.0))
-                    f = cute.math.exp2(exponent * Float32(LOG2E), fastmath=True) * (scale * rq[t] * rk[s])
-                    p_staged[i] = BFloat16(cutlass.select_(s <= t, accX[i] * f, Float32(0.0)))
-                cute.autovec_copy(p_staged, tXsP)
-            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # A, P written
-
-            _invert(sA, sT, sTv, sTk, sDecay, sB, rk, ctid)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # T', T'' (and P) visible to wgmma
-
-            # -W [t, k] for this consumer's 64 columns k of K
-            tWrK = mma_w.make_fragment_B(thr_w.partition_B(
-                cute.local_tile(transposed(sK)[None, None, stage], (HALF, C), (w, 0))))
-            warpgroup.fence()
-            gemm(mma_w, accX, tWrT, tWrK, False)
-            warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(accX)):
-                w_staged[i] = BFloat16(-accX[i])
-            cute.autovec_copy(w_staged, tWsW)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=ALL, number_of_threads=256)  # -W visible
+            products.consumer_wait(chunk)
+            loads.consumer_wait(state)
+            v_loads.consumer_wait(v_state)
+            stage = state.index
+            sG, sB, sDecay, sTail, rq, rk = _vectors(storage, stage)
 
             # U^T = V^T T'^T - S^T W^T and O^T = S^T Q^T, from the entering state
             warpgroup.fence()
             if const_expr(SEGMENTED):
                 if maps != 0:  # map rows see zero values: U^T = -S^T W^T
-                    gemm(mma_ss, accU, tUrS, tUrW, False)
+                    gemm(mma_up, accU, tUrS, tUrW, False)
                 else:
-                    gemm(mma_vt, accU, tUrV[None, None, None, v_half], tUrT, False)
-                    gemm(mma_ss, accU, tUrS, tUrW, True)
+                    gemm(mma_vt, accU, tUrV[None, None, None, 2 * v_state.index + w], tUrT, False)
+                    gemm(mma_up, accU, tUrS, tUrW, True)
             else:
-                gemm(mma_vt, accU, tUrV[None, None, None, v_half], tUrT, False)
-                gemm(mma_ss, accU, tUrS, tUrW, True)
-            gemm(mma_ss, accO, tUrS, tOrQ[None, None, None, stage], False)
+                gemm(mma_vt, accU, tUrV[None, None, None, 2 * v_state.index + w], tUrT, False)
+                gemm(mma_up, accU, tUrS, tUrW, True)
+            gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
             decay_L = sDecay[C - 1]
+            warpgroup.wait_group(1)
+            cute.arch.barrier_arrive(barrier_id=W_FREE, number_of_threads=384)  # T', W read
+            v_loads.consumer_release(v_state)
+            cute.arch.barrier(barrier_id=1 + w, number_of_threads=128)  # the last output store has read sO
+            # O's product done too before U's parts are made: S^T's operand registers are free then
             warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(accU)):
-                s = cX[i][1]
+                s = cU[i][1]
                 tUrU[i] = BFloat16(accU[i])
                 x = accU[i] * (sTail[s] * rk[s])
                 hi = BFloat16(x)
                 tSrU_hi[i] = hi
                 tSrU_lo[i] = BFloat16(x - Float32(hi))
-            for i in cutlass.range_constexpr(cute.size(accO)):
-                t = cX[i][1]
-                accO[i] = accO[i] * (scale * rq[t] * sDecay[t])
             for i in cutlass.range_constexpr(cute.size(accS)):
                 accS[i] = accS[i] * decay_L
+            for i in cutlass.range_constexpr(cute.size(accO)):
+                t = cU[i][1]
+                accO[i] = accO[i] * (scale * rq[t] * sDecay[t])
             warpgroup.fence()
-            gemm(mma_up, accO, tUrU, tOrP, True)
+            gemm(mma_up, accO, tUrU, tOrP[None, None, None, chunk.index], True)
             gemm(mma_st, accS, tSrU_hi, tSrK[None, None, None, stage], True)
             gemm(mma_st, accS, tSrU_lo, tSrK[None, None, None, stage], True)
             warpgroup.wait_group(0)
+            products.consumer_release(chunk)
             loads.consumer_release(state)
+            chunk.advance()
             state.advance()
+            v_state.advance()
 
             if const_expr(SEGMENTED):  # no checkpoints with segments
                 if maps != 0:
-                    finish_chunk(accO, tOsO, accS, tSsS, sO, q_carried, thr_st, pool, checkpoint_indices,
+                    finish_chunk(accO, tOsO, accS, None, sO, q_carried, thr_st, pool, checkpoint_indices,
                                  checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False)
                 else:
-                    finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices,
+                    finish_chunk(accO, tOsO, accS, None, sO, out, thr_st, pool, checkpoint_indices,
                                  checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False, store)
             else:
-                finish_chunk(accO, tOsO, accS, tSsS, sO, out, thr_st, pool, checkpoint_indices, checkpoint_every,
+                finish_chunk(accO, tOsO, accS, None, sO, out, thr_st, pool, checkpoint_indices, checkpoint_every,
                              num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT, store)
         output_read(tid)
         if const_expr(SEGMENTED):
@@ -574,52 +648,64 @@ def _gdn_kernel(
         n, hv, h, bos, length, num_chunks, slot = block_sequence(cu_seqlens, state_indices, HV, GROUP, HAS_SLOTS)
         live = slot >= 0
 
-    tile_layout = kmajor(C, HEAD_DIM, STAGES)
-    v_layout = kmajor(C, HALF, 2 * STAGES)  # stage s holds v's column halves at 2 s and 2 s + 1
-    state_layout = kmajor(HALF, HEAD_DIM, 2)  # one bf16 S^T' per consumer
-    out_layout = kmajor(C, HALF, 2)  # one output tile per consumer
-    square = kmajor(C, C)  # P, T', T''
-    wide = kmajor(C, HEAD_DIM)  # -W
+    tile_layout = kmajor(C, HEAD_DIM, QK_STAGES)
+    v_layout = kmajor(C, HALF, 2 * V_STAGES)  # stage s holds v's column halves at 2 s and 2 s + 1
+    out_layout = kmajor(C, HALF, 2)  # one output tile per state warpgroup
+    square = kmajor(C, C)  # T', T''
+    products_layout = kmajor(C, C, PRODUCT_STAGES)  # P
+    wide = kmajor(C, HEAD_DIM)  # -W, where A is
 
     @cute.struct
     class Shared:
-        barriers: cute.struct.MemRange[Int64, STAGES * 2]
+        barriers: cute.struct.MemRange[Int64, 2 * (2 * QK_STAGES + V_STAGES + PRODUCT_STAGES)]
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
         sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(v_layout)], 1024]
-        sS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(state_layout)], 1024]
         sO: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(out_layout)], 1024]
-        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(square)], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(products_layout)], 1024]
         sTv: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(square)], 1024]
         sTk: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(square)], 1024]
-        sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(wide)], 1024]
-        sA: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
+        sA: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 1024]
         sT: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
-        gate: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
-        decay: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
-        tail: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
-        beta: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
-        rq: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
-        rk: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]
+        vectors: cute.struct.Align[cute.struct.MemRange[Float32, QK_STAGES * VECTORS * C], 16]
 
     storage = cutlass.utils.SmemAllocator().allocate(Shared)
     sQ = storage.sQ.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
     sK = storage.sK.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
     sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
 
-    loads = make_loads(storage.barriers.data_ptr())
+    barriers = storage.barriers.data_ptr()
+    loads = make_loads(barriers, QK_STAGES, 2, 12, defer_sync=True)  # read by the aux and state warps
+    v_loads = make_loads(barriers + 2 * QK_STAGES, V_STAGES, 1, 8, defer_sync=True)
+    ready = pipeline.PipelineAsync.create(
+        barrier_storage=barriers + 2 * (QK_STAGES + V_STAGES), num_stages=QK_STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 96),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1), defer_sync=True)
+    products = pipeline.PipelineAsync.create(
+        barrier_storage=barriers + 2 * (2 * QK_STAGES + V_STAGES), num_stages=PRODUCT_STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256))
 
     if wg == 0:
-        cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
-        if warp == 0:
-            if live:
-                produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv)
+        cute.arch.warpgroup_reg_dealloc(LOAD_REGS)
+        if live:
+            if warp == 0:
+                produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv,
+                        v_loads)
+            else:
+                _prepare(storage, sQ, sK, loads, ready, g, beta, A_log, dt_bias, hv, bos, length, num_chunks, warp,
+                         tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
+    elif wg == 3:
+        cute.arch.warpgroup_reg_dealloc(AUX_REGS)
+        if live:
+            _aux(storage, sQ, sK, loads, ready, products, tidx - 384, scale, num_chunks,
+                 (square, wide, products_layout))
     else:
-        cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
-        _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles, pool, g, beta, A_log,
-                 dt_bias, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv, bos,
-                 length, num_chunks, slot, live, segment, (state_layout, out_layout, square, wide), QK_L2NORM,
-                 GATE, HAS_DT_BIAS, BETA_LOGITS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT, SEGMENTED)
+        cute.arch.warpgroup_reg_alloc(STATE_REGS)
+        _state_math(storage, sQ, sK, sV, loads, v_loads, products, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles,
+                    pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv,
+                    bos, length, num_chunks, slot, live, segment, (out_layout, square, wide, products_layout),
+                    HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT, SEGMENTED)
 
 
 @cute.jit
@@ -662,7 +748,7 @@ def _launch(
         transitions, q_carried, N, segment_tokens,
         HV // H, HV, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS, HAS_SLOTS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
         SEGMENTED,
-    ).launch(grid=(ids * HV, 2 if SEGMENTED else 1, 1), block=(THREADS, 1, 1), stream=stream)
+    ).launch(grid=(ids * HV, 2 if SEGMENTED else 1, 1), block=(GDN_THREADS, 1, 1), stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------
