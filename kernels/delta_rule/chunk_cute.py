@@ -40,7 +40,7 @@ the model shapes: 3.6e-3 (Triton's kernel 2.7e-3, FLA 4.7e-3; the bf16 tolerance
 Speed (H200, CUDA-graph replay, ns per token-head, the serial kernel before it in the same run in
 brackets: two warpgroups doing every phase in turn): 4 x 8192 0.803 (0.801), 8 x 1024 0.923
 (0.896), 1 x 2048 3.30 (3.43), with segments 1 x 32768 2.00 (2.01), TP4 1 x 8192 3.64 (3.50).
-clock64 probes of one CTA at 4 x 8192 show the aux is the bottleneck: about 17k cycles a chunk
+clock64 probes of one CTA at 4 x 8192 show the aux is the bottleneck: 17-18k cycles a chunk
 (the solve 8.2-8.7k; A's and P's stores with the P slot's wait 2.2-3.5k; W 2.1-2.5k; K K^T and
 Q K^T 1.5k; their scaling 1.5k) while the state warpgroups need about 9k and wait the rest. The solve
 ran 5.5k when the state warps were idle: on one warp per scheduler it is latency-bound and
