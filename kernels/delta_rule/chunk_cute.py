@@ -6,46 +6,51 @@ inverse l2 norms (or 1), beta zero on rows t >= L, S^T [V, K] the entering state
 K-last layout):
 
     A_ts  = beta_t rk_t rk_s exp(G_t - G_s) k_t . k_s   (s < t)         T = (I + A)^-1
-    T'    = T diag(beta)                                 T'' = T diag(beta exp(G) rk)
-    W     = T'' K                                        (C x K)
-    U^T   = V^T T'^T - S^T W^T                           (V x C: the delta rule's new values)
+    T'    = T diag(beta)
+    Z     = (S^T K^T) diag(exp(G) rk)                    (V x C)
+    U^T   = (V^T - Z) T'^T                               (V x C: the delta rule's new values)
     O^T   = (scale rq_t exp(G_t)) * (S^T Q^T) + U^T P^T,  P_ts = scale rq_t rk_s exp(G_t - G_s) q_t . k_s  (s <= t)
     S^T  <- exp(G_L-1) S^T + (U^T * (exp(G_L-1 - G_s) rk_s [s < L])) K
 
-With beta zero past the end, rows t >= L of A, T', T'', W and U are exactly zero, so the next
-sequence's tokens that fill the chunk's tail (or TMA's zeros past the tensor) change nothing.
+U^T is V^T T'^T - S^T W^T with W = T diag(beta exp(G) rk) K, the WY form's, without forming W.
+With beta zero past the end, rows t >= L of A, rows and columns t >= L of T', and so columns
+t >= L of U^T are exactly zero: the next sequence's tokens that fill the chunk's tail (or TMA's
+zeros past the tensor) change nothing.
 Every exponent is <= 0: nothing overflows.
 
 One CTA per (sequence, value head), four warpgroups specialised so that one chunk's state-free
-products (A, the solve, W, P) overlap the previous chunk's state chain:
+products (A, P, the solve) overlap the previous chunk's state chain:
 - warpgroup 0, loads: warp 0 streams each chunk's q and k tiles into a ring of QK_STAGES
   shared-memory buffers and v into V_STAGES, by TMA; warps 1 .. 3 prepare the chunk's per-row
   vectors in the slot of its q / k stage (``_prepare``): the gates (the fused gate, a warp scan
   for G, the beta sigmoid, exp(G) and the tail decays, loaded a chunk ahead), k's and q's row norms;
 - warpgroup 3, the aux, a chunk ahead (``_aux``): A = K K^T and P = Q K^T (wgmma), scaled;
   T = (I + A)^-1 (``_invert``: 8 x 8 diagonal blocks by forward substitution in float32, then
-  three doublings on the tensor cores in tf32) with T' and T'' in bf16; -W = -T'' K (wgmma).
-  P goes to one of PRODUCT_STAGES buffers; T' and -W (where A was) to single buffers, released
-  by the state warpgroups (named barrier W_FREE) once U has read them;
+  three doublings on the tensor cores in tf32) and T' in bf16. P and T' go to one of
+  PRODUCT_STAGES buffers;
 - warpgroups 1 and 2, the state (``_state_math``), each owning V / 2 = 64 state rows S^T [64 v, K]
   in float32 wgmma accumulators for the whole sequence, S^T in bf16 registers as the products'
-  A operand. Per chunk: U^T = V^T T'^T - S^T W^T (two wgmma into one accumulator) and
+  A operand. Per chunk: S^T K^T and V^T T'^T, then U^T = V^T T'^T - Z T'^T (Z from registers) and
   O^T = S^T Q^T, then O^T += U^T P^T and the state update with U^T from registers, the output
   through shared memory by TMA store.
 The state update takes U^T as two bf16 parts (hi + lo: 16 bits of mantissa) as Lightning's does:
-the state carries its error across chunks. T', T'', W, S^T (in W S and Q S) and P are bf16 operands,
-as in FLA's pipeline; the accumulations are float32. Relative error against the float64 oracle at
+the state carries its error across chunks. T', Z, S^T (in S K^T and S Q^T) and P are bf16 operands,
+as W, S^T and P are in FLA's pipeline; the accumulations are float32. Relative error against the float64 oracle at
 the model shapes: 3.6e-3 (Triton's kernel 2.7e-3, FLA 4.7e-3; the bf16 tolerance is 5e-3).
 
-Speed (H200, CUDA-graph replay, ns per token-head, the serial kernel before it in the same run in
-brackets: two warpgroups doing every phase in turn): 4 x 8192 0.803 (0.801), 8 x 1024 0.923
-(0.896), 1 x 2048 3.30 (3.43), with segments 1 x 32768 2.00 (2.01), TP4 1 x 8192 3.64 (3.50).
-clock64 probes of one CTA at 4 x 8192 show the aux is the bottleneck: 17-18k cycles a chunk
-(the solve 8.2-8.7k; A's and P's stores with the P slot's wait 2.2-3.5k; W 2.1-2.5k; K K^T and
-Q K^T 1.5k; their scaling 1.5k) while the state warpgroups need about 9k and wait the rest. The solve
-ran 5.5k when the state warps were idle: on one warp per scheduler it is latency-bound and
-contends with the state's CUDA-core phases. Registers: 24 / 120 / 184 per thread for loads /
-aux / state; at 104 for the aux its spills took 4 x 8192 to 1.05.
+Speed (H200, CUDA-graph replay, ns per token-head; in brackets the serial kernel before it, two
+warpgroups doing every phase in turn, in the same run): 4 x 8192 0.690 (0.796), 8 x 1024 0.819
+(0.894), 1 x 2048 2.94 (3.43), with segments 1 x 32768 1.81 (1.99), TP4 1 x 8192 3.45 (3.50).
+The first warp-specialised version had the aux form -W = -T'' K as well (T'' = T diag(beta
+exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192, its aux 17-18k cycles a chunk
+against the state's 9k. Without W, clock64 probes of one CTA at 4 x 8192 give the aux about 14k
+(the solve 8.6-9.1k; K K^T and Q K^T with the vectors' wait 2.2k; the scaling and A's stores
+1.1-3.4k; the P slot's wait and P's stores 0.7-1.7k) and the state about 10k (S^T K^T and
+V^T T'^T 2.5-2.9k; Z T'^T and S^T Q^T 2.0-2.5k; U's parts, O += U^T P^T and the state update
+2.4-3.6k; the output 2.0-2.2k). The aux is still the bottleneck, the solve most of it: 4.6k
+when the state warps were idle, so on one warp per scheduler it is latency-bound and contends
+with the state's CUDA-core phases. Registers: 24 / 120 / 184 per thread for loads / aux / state;
+at 104 for the aux its spills took 4 x 8192 from 0.80 to 1.05.
 Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
 on the tensor cores), the chain's products and scalings 3.7k, K K^T / Q K^T and their scaling
 1.8k, the output and the state's restaging 1.2k, gates and norms 1.1k, W 0.8k.
@@ -100,7 +105,7 @@ TF32_HALF_ULP = 1 << 12  # float32 bits: tf32 keeps the top 10 of the 23 mantiss
 GDN_THREADS = 512  # the load warpgroup, two state warpgroups, the aux warpgroup
 QK_STAGES = 3  # q / k tiles in flight: a chunk's are read from the aux's turn to the end of the state's
 V_STAGES = 2
-PRODUCT_STAGES = 2  # P buffers: the aux writes the next chunk's while the state warpgroups read this one's
+PRODUCT_STAGES = 2  # P and T' buffers: the aux writes the next chunk's while the state warpgroups read this one's
 VECTORS = 6  # per-row float32 vectors of a chunk (``_vectors``)
 # registers per thread: 65536 over the four warpgroups
 LOAD_REGS = 24
@@ -109,7 +114,6 @@ STATE_REGS = 184
 # named barriers: 0 is the CTA's, 1 and 2 each state warpgroup's (``finish_chunk``)
 AUX = 3  # the aux warpgroup
 PAIR = 4  # 4 and 5: the aux's warps 0 and 1, and 2 and 3, in the solve
-W_FREE = 6  # the state warpgroups arrive once U has read T' and W; the aux waits before overwriting them
 
 
 @cute.jit
@@ -166,36 +170,28 @@ def _chunk_gates(raw: list, sG: cute.Tensor, sB: cute.Tensor, sDecay: cute.Tenso
 
 
 @cute.jit
-def _column_factors(sDecay: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor, col0, n: cutlass.Constexpr[int]) -> tuple:
-    """beta_s and beta_s exp(G_s) rk_s for the n columns s = col0 .. col0 + n - 1 (T' and T''
-    are T with its columns scaled by them)."""
+def _betas(sB: cute.Tensor, col0, n: cutlass.Constexpr[int]) -> list:
+    """beta_s for the n columns s = col0 .. col0 + n - 1 (T' is T with its columns scaled by them)."""
     b = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-    gate = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-    norm = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-    for src, dst in ((sB, b), (sDecay, gate), (rk, norm)):
-        cute.autovec_copy(cute.local_tile(src, (n,), (col0 // n,)), dst)
-    return [b[e] for e in range(n)], [b[e] * gate[e] * norm[e] for e in range(n)]
+    cute.autovec_copy(cute.local_tile(sB, (n,), (col0 // n,)), b)
+    return [b[e] for e in range(n)]
 
 
 @cute.jit
-def _store_scaled(sTv: cute.Tensor, sTk: cute.Tensor, row, col0, values: list, factors: tuple):
-    """T'[row, col0 + e] and T''[row, col0 + e] (bf16) from T's values there."""
+def _store_scaled(sTv: cute.Tensor, row, col0, values: list, betas: list):
+    """T'[row, col0 + e] (bf16) from T's values there."""
     n = len(values)
-    part_v = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
-    part_k = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
+    part = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
     for e in cutlass.range_constexpr(n):
-        part_v[e] = BFloat16(values[e] * factors[0][e])
-        part_k[e] = BFloat16(values[e] * factors[1][e])
-    cute.autovec_copy(part_v, cute.local_tile(sTv[row, None], (n,), (col0 // n,)))
-    cute.autovec_copy(part_k, cute.local_tile(sTk[row, None], (n,), (col0 // n,)))
+        part[e] = BFloat16(values[e] * betas[e])
+    cute.autovec_copy(part, cute.local_tile(sTv[row, None], (n,), (col0 // n,)))
 
 
 @cute.jit
-def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor,
-            sB: cute.Tensor, rk: cute.Tensor, ctid: Int32):
+def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sB: cute.Tensor, ctid: Int32):
     """T = (I + A)^-1 for the strictly lower float32 A (64 x 64) by the aux warpgroup, and
-    from it T' and T'' in bf16, each value scaled and stored where it is computed (the upper
-    blocks of T, T' and T'' are zero from the start and stay so).
+    from it T' = T diag(beta) in bf16, each value scaled and stored where it is computed (the
+    upper blocks of T and T' are zero from the start and stay so).
 
     The diagonal 8 x 8 blocks first: column c of T_II solves (I + A_II) x = e_c, a thread per
     column, right-looking (a chain of 8 dependent steps). Then three doublings on the tensor
@@ -224,12 +220,12 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor
         for m in cutlass.range_constexpr(8):
             for i in cutlass.range_constexpr(m + 1, 8):
                 x[i] = x[i] - block_A[i, m] * x[m]
-        factors = _column_factors(sDecay, sB, rk, c, 1)
+        betas = _betas(sB, c, 1)
         for i in cutlass.range_constexpr(8):
             column_T[i] = x[i]
-            _store_scaled(sTv, sTk, base + i, c, [x[i]], factors)
+            _store_scaled(sTv, base + i, c, [x[i]], betas)
         column_T[d] = Float32(1.0)
-        _store_scaled(sTv, sTk, c, c, [Float32(1.0)], factors)
+        _store_scaled(sTv, c, c, [Float32(1.0)], betas)
     cute.arch.sync_warp()
     # rows 8 .. 15 of 16-row products: X = -A_10 T_00 (rows 8 warp_id .. + 7 of the upper right
     # block), then T_10 = T_11 X (rows 0 .. 7 multiply the zero block above T_11)
@@ -239,7 +235,7 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor
     acc, rc = _tile_product(_block(sT, corner, corner + 8, BLOCK, 8), _block(sT, 8 * warp_id, C // 2, 8, 8, True),
                             lane)
     _store_tile(sT, acc, rc, corner, corner, Float32(1.0), 8)
-    _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, corner, corner, 8)
+    _store_scaled_tile(sTv, sB, acc, rc, corner, corner, 8)
     # the 32 x 32 diagonal block at rows 32 h: rows 32 h + 16 .. + 31 from rows 32 h .. + 15,
     # by warps 2 h and 2 h + 1 (8 of the 16 columns each) on their own barrier
     h = warp_id // 2
@@ -253,7 +249,7 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor
     acc, rc = _tile_product(_block(sT, pair_corner + BLOCK, pair_corner + BLOCK, BLOCK, BLOCK),
                             _block(sT, 0, C // 2 + BLOCK * h + n0, BLOCK, 8, True), lane)
     _store_tile(sT, acc, rc, pair_corner + BLOCK, pair_corner + n0, Float32(1.0))
-    _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, pair_corner + BLOCK, pair_corner + n0)
+    _store_scaled_tile(sTv, sB, acc, rc, pair_corner + BLOCK, pair_corner + n0)
     cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
     # rows 32 .. 63 from rows 0 .. 31: a warp per 8 columns, two 16 x 8 tiles each
     n0 = 8 * warp_id
@@ -265,7 +261,7 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sTk: cute.Tensor
     for r in cutlass.range_constexpr(2):
         acc, rc = _tile_product(_block(sT, C // 2 + BLOCK * r, C // 2, BLOCK, C // 2),
                                 _block(sT, 0, C // 2 + n0, C // 2, 8, True), lane)
-        _store_scaled_tile(sTv, sTk, sDecay, sB, rk, acc, rc, C // 2 + BLOCK * r, n0)
+        _store_scaled_tile(sTv, sB, acc, rc, C // 2 + BLOCK * r, n0)
 
 
 @cute.jit
@@ -286,7 +282,7 @@ def _tile_product(X: cute.Tensor, Y: cute.Tensor, lane: Int32) -> tuple:
     (mma.sync m16n8k8 in tf32, float32 accumulation): the [16, 8] accumulator fragment and each
     element's (row, column). The operands are rounded to tf32's 11 significant bits (to nearest:
     half a unit of the last kept bit is added to the float32 bits, whose low 13 bits the tensor
-    cores ignore); the products' results are rounded to bf16's 8 where T' and T'' are stored."""
+    cores ignore); the products' results are rounded to bf16's 8 where T' is stored."""
     mma = cute.make_tiled_mma(MmaTF32Op((16, 8, 8)))
     thr = mma.get_slice(lane)
     sX = thr.partition_A(cute.make_tensor(cute.recast_ptr(X.iterator, dtype=Int32), X.layout))
@@ -314,15 +310,14 @@ def _store_tile(sT: cute.Tensor, acc: cute.Tensor, rc: cute.Tensor, row0, col0, 
 
 
 @cute.jit
-def _store_scaled_tile(sTv: cute.Tensor, sTk: cute.Tensor, sDecay: cute.Tensor, sB: cute.Tensor, rk: cute.Tensor,
-                       acc: cute.Tensor, rc: cute.Tensor, row0, col0, FIRST_ROW: cutlass.Constexpr[int] = 0):
-    """T' and T'' at rows row0 + r (r >= FIRST_ROW), columns col0 + c of a [16, 8] fragment of T:
-    the fragment holds column pairs (c, c + 1) of two rows."""
+def _store_scaled_tile(sTv: cute.Tensor, sB: cute.Tensor, acc: cute.Tensor, rc: cute.Tensor, row0, col0,
+                       FIRST_ROW: cutlass.Constexpr[int] = 0):
+    """T' at rows row0 + r (r >= FIRST_ROW), columns col0 + c of a [16, 8] fragment of T: the
+    fragment holds column pairs (c, c + 1) of two rows."""
     for i in cutlass.range_constexpr(cute.size(acc) // 2):
         r, c = rc[2 * i]
         if r >= FIRST_ROW:
-            _store_scaled(sTv, sTk, row0 + r, col0 + c, [acc[2 * i], acc[2 * i + 1]],
-                          _column_factors(sDecay, sB, rk, col0 + c, 2))
+            _store_scaled(sTv, row0 + r, col0 + c, [acc[2 * i], acc[2 * i + 1]], _betas(sB, col0 + c, 2))
 
 
 @cute.jit
@@ -371,45 +366,35 @@ def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Te
 def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid: Int32, scale: Float32,
          num_chunks: Int32, layouts: cutlass.Constexpr):
     """The aux warpgroup, a chunk ahead of the state warpgroups: per chunk A = K K^T and P = Q K^T
-    (wgmma), scaled by the gates and norms; T = (I + A)^-1 with T' and T'' (``_invert``); -W = -T'' K.
-    P goes to its slot of ``products``; T' and -W (in A's place) to single buffers, which the
-    state warpgroups release on ``W_FREE`` once U has read them."""
-    square, wide, products_layout = layouts
+    (wgmma), scaled by the gates and norms, then T = (I + A)^-1 and T' = T diag(beta) (``_invert``).
+    P and T' go to the chunk's slot of ``products``."""
+    products_layout = layouts
     sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
-    sTv = storage.sTv.get_tensor(square.outer, swizzle=square.inner)
-    sTk = storage.sTk.get_tensor(square.outer, swizzle=square.inner)
-    sW = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), wide.inner, dtype=BFloat16), wide.outer)
+    sTv = storage.sTv.get_tensor(products_layout.outer, swizzle=products_layout.inner)
     sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
     sT = cute.make_tensor(storage.sT.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
 
     K_ = warpgroup.OperandMajorMode.K
-    MN = warpgroup.OperandMajorMode.MN
     mma_ss = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (C, C))
-    mma_w = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (C, HALF))
     thr_ss = mma_ss.get_slice(tid)
-    thr_w = mma_w.get_slice(tid)
     tXrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK))                       # K [t, k]
     tXrQ = mma_ss.make_fragment_A(thr_ss.partition_A(sQ))                       # Q [t, k]
     tXrKb = mma_ss.make_fragment_B(thr_ss.partition_B(sK))                      # K [s, k]
-    tWrT = mma_w.make_fragment_A(thr_w.partition_A(sTk))                        # T'' [t, s]
     accA = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
     accP = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
-    accW = cute.make_rmem_tensor(thr_w.partition_shape_C((C, HALF)), Float32)
     cX = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
     p_staged = cute.make_rmem_tensor(accP.layout, BFloat16)
-    w_staged = cute.make_rmem_tensor(accW.layout, BFloat16)
-    # bf16 tiles leave the accumulators by stmatrix: an address per four 8 x 8 blocks, where
-    # element stores into the swizzled tiles kept an address per element live (and spilled)
+    # P leaves the accumulator by stmatrix: an address per four 8 x 8 blocks, where element stores
+    # into the swizzled tile kept an address per element live (and spilled)
     stsm = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
     p_copy = cute.make_tiled_copy_C(stsm, mma_ss).get_slice(tid)
-    w_copy = cute.make_tiled_copy_C(stsm, mma_w).get_slice(tid)
     tPsP = p_copy.partition_D(sP)
 
-    # the blocks of T, T' and T'' above the diagonal stay zero; the solve writes the others
+    # the blocks of T and T' above the diagonal stay zero; the solve writes the others
     for e in cutlass.range(tid, C * C, 128, unroll=1):
         sT[e // C, e % C] = Float32(0.0)
-        sTv[e // C, e % C] = BFloat16(0.0)
-        sTk[e // C, e % C] = BFloat16(0.0)
+        for b in cutlass.range_constexpr(PRODUCT_STAGES):
+            sTv[e // C, e % C, b] = BFloat16(0.0)
     cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
 
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
@@ -423,6 +408,7 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
         ready.consumer_wait(state)
         sG, sB, sDecay, sTail, rq, rk = _vectors(storage, stage)
         warpgroup.wait_group(0)
+        loads.consumer_release(state)
         # factors first, stores after: a store between them would make every factor's shared loads
         # be issued again (the compiler cannot tell sA from sG)
         for i in cutlass.range_constexpr(cute.size(accP)):
@@ -434,9 +420,6 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
             t, s = cX[i]
             f = cute.math.exp2((sG[t] - sG[s]) * Float32(LOG2E), fastmath=True) * (sB[t] * rk[t] * rk[s])
             accA[i] = cutlass.select_(s < t, accA[i] * f, Float32(0.0))
-        if j > 0:
-            # the previous chunk's U has read T' and W (W lives where A goes)
-            cute.arch.barrier(barrier_id=W_FREE, number_of_threads=384)
         for i in cutlass.range_constexpr(cute.size(accA)):
             t, s = cX[i]
             sA[t, s] = accA[i]
@@ -444,27 +427,11 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
         cute.copy(p_copy, p_copy.retile(p_staged), tPsP[None, None, None, out.index])
         cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # A written
 
-        _invert(sA, sT, sTv, sTk, sDecay, sB, rk, tid)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # T'' visible to wgmma, A read
-
-        # -W [t, k], 64 columns k of K at a time
-        for half in cutlass.range_constexpr(2):
-            tWrK = mma_w.make_fragment_B(thr_w.partition_B(
-                cute.local_tile(transposed(sK)[None, None, stage], (HALF, C), (half, 0))))
-            warpgroup.fence()
-            gemm(mma_w, accW, tWrT, tWrK, False)
-            warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(accW)):
-                w_staged[i] = BFloat16(-accW[i])
-            cute.copy(w_copy, w_copy.retile(w_staged), w_copy.partition_D(cute.local_tile(sW, (C, HALF), (0, half))))
-        loads.consumer_release(state)
-        cute.arch.fence_proxy("async.shared", space="cta")  # P, T' and -W visible to the state's wgmma
+        _invert(sA, sT, sTv[None, None, out.index], sB, tid)
+        cute.arch.fence_proxy("async.shared", space="cta")  # P and T' visible to the state's wgmma
         products.producer_commit(out)
         state.advance()
         out.advance()
-    if num_chunks > 0:
-        cute.arch.barrier(barrier_id=W_FREE, number_of_threads=384)  # the last chunk's release
 
 
 @cute.jit
@@ -483,12 +450,11 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     (j = 0) and from zeros after it; map rows start from the identity and see zero values, their
     outputs go to q_carried. Final states go to transitions[sid] (value rows 0 .. 127, map rows
     128 .. 255) except a whole sequence's, which goes to the pool."""
-    out_layout, square, wide, products_layout = layouts
+    out_layout, products_layout = layouts
     sO_both = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)
     sO = sO_both[None, None, w]
     sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
-    sTv = storage.sTv.get_tensor(square.outer, swizzle=square.inner)
-    sW = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), wide.inner, dtype=BFloat16), wide.outer)
+    sTv = storage.sTv.get_tensor(products_layout.outer, swizzle=products_layout.inner)
 
     K_ = warpgroup.OperandMajorMode.K
     MN = warpgroup.OperandMajorMode.MN
@@ -504,16 +470,19 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
 
     tUrV = mma_vt.make_fragment_A(thr_vt.partition_A(transposed(sV)))         # V^T [v, s]
     tUrT = mma_vt.make_fragment_B(thr_vt.partition_B(sTv))                      # T' [t, s]
-    tUrW = mma_up.make_fragment_B(thr_up.partition_B(sW))                       # -W [t, k]
+    tZrT = mma_up.make_fragment_B(thr_up.partition_B(sTv))                      # T' [t, s]
+    tXrK = mma_up.make_fragment_B(thr_up.partition_B(sK))                       # K [s, k]
     tOrQ = mma_up.make_fragment_B(thr_up.partition_B(sQ))                       # Q [t, k]
     tOrP = mma_up.make_fragment_B(thr_up.partition_B(sP))                       # P [t, s]
     tSrK = mma_st.make_fragment_B(thr_st.partition_B(transposed(sK)))          # K as [k, s]
     accU = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), Float32)
+    accX = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), Float32)
     accO = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), Float32)
     accS = cute.make_rmem_tensor(thr_st.partition_shape_C((HALF, HEAD_DIM)), Float32)
     # S^T in bf16 as the register A operand (the accumulator's layout is the operand's)
     tUrS = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, HEAD_DIM)))
     tUrU = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
+    tUrZ = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
     tSrU_hi = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
     tSrU_lo = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
     cU = thr_up.partition_C(cute.make_identity_tensor((HALF, C)))  # (row, column) of each element
@@ -547,24 +516,32 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             stage = state.index
             sG, sB, sDecay, sTail, rq, rk = _vectors(storage, stage)
 
-            # U^T = V^T T'^T - S^T W^T and O^T = S^T Q^T, from the entering state
+            # U^T = (V^T - Z) T'^T with Z = (S^T K^T) diag(exp(G) rk): S^T W^T without forming W
+            warpgroup.fence()
+            gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
+            if const_expr(SEGMENTED):
+                if maps == 0:  # map rows see zero values: U^T = -Z T'^T
+                    gemm(mma_vt, accU, tUrV[None, None, None, 2 * v_state.index + w],
+                         tUrT[None, None, None, chunk.index], False)
+            else:
+                gemm(mma_vt, accU, tUrV[None, None, None, 2 * v_state.index + w], tUrT[None, None, None, chunk.index],
+                     False)
+            decay_L = sDecay[C - 1]
+            warpgroup.wait_group(0)
+            v_loads.consumer_release(v_state)
+            for i in cutlass.range_constexpr(cute.size(accX)):
+                s = cU[i][1]
+                tUrZ[i] = BFloat16(-accX[i] * (sDecay[s] * rk[s]))
             warpgroup.fence()
             if const_expr(SEGMENTED):
-                if maps != 0:  # map rows see zero values: U^T = -S^T W^T
-                    gemm(mma_up, accU, tUrS, tUrW, False)
+                if maps != 0:
+                    gemm(mma_up, accU, tUrZ, tZrT[None, None, None, chunk.index], False)
                 else:
-                    gemm(mma_vt, accU, tUrV[None, None, None, 2 * v_state.index + w], tUrT, False)
-                    gemm(mma_up, accU, tUrS, tUrW, True)
+                    gemm(mma_up, accU, tUrZ, tZrT[None, None, None, chunk.index], True)
             else:
-                gemm(mma_vt, accU, tUrV[None, None, None, 2 * v_state.index + w], tUrT, False)
-                gemm(mma_up, accU, tUrS, tUrW, True)
+                gemm(mma_up, accU, tUrZ, tZrT[None, None, None, chunk.index], True)
             gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
-            decay_L = sDecay[C - 1]
-            warpgroup.wait_group(1)
-            cute.arch.barrier_arrive(barrier_id=W_FREE, number_of_threads=384)  # T', W read
-            v_loads.consumer_release(v_state)
             cute.arch.barrier(barrier_id=1 + w, number_of_threads=128)  # the last output store has read sO
-            # O's product done too before U's parts are made: S^T's operand registers are free then
             warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(accU)):
                 s = cU[i][1]
@@ -651,9 +628,7 @@ def _gdn_kernel(
     tile_layout = kmajor(C, HEAD_DIM, QK_STAGES)
     v_layout = kmajor(C, HALF, 2 * V_STAGES)  # stage s holds v's column halves at 2 s and 2 s + 1
     out_layout = kmajor(C, HALF, 2)  # one output tile per state warpgroup
-    square = kmajor(C, C)  # T', T''
-    products_layout = kmajor(C, C, PRODUCT_STAGES)  # P
-    wide = kmajor(C, HEAD_DIM)  # -W, where A is
+    products_layout = kmajor(C, C, PRODUCT_STAGES)  # P, T'
 
     @cute.struct
     class Shared:
@@ -663,9 +638,8 @@ def _gdn_kernel(
         sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(v_layout)], 1024]
         sO: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(out_layout)], 1024]
         sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(products_layout)], 1024]
-        sTv: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(square)], 1024]
-        sTk: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(square)], 1024]
-        sA: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 1024]
+        sTv: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(products_layout)], 1024]
+        sA: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
         sT: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
         vectors: cute.struct.Align[cute.struct.MemRange[Float32, QK_STAGES * VECTORS * C], 16]
 
@@ -699,12 +673,12 @@ def _gdn_kernel(
         cute.arch.warpgroup_reg_dealloc(AUX_REGS)
         if live:
             _aux(storage, sQ, sK, loads, ready, products, tidx - 384, scale, num_chunks,
-                 (square, wide, products_layout))
+                 products_layout)
     else:
         cute.arch.warpgroup_reg_alloc(STATE_REGS)
         _state_math(storage, sQ, sK, sV, loads, v_loads, products, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles,
                     pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv,
-                    bos, length, num_chunks, slot, live, segment, (out_layout, square, wide, products_layout),
+                    bos, length, num_chunks, slot, live, segment, (out_layout, products_layout),
                     HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT, SEGMENTED)
 
 
