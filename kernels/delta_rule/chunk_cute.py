@@ -366,11 +366,10 @@ def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Te
 
 @cute.jit
 def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid: Int32, scale: Float32,
-         num_chunks: Int32, layouts: cutlass.Constexpr):
+         num_chunks: Int32, products_layout: cutlass.Constexpr):
     """The aux warpgroup, a chunk ahead of the state warpgroups: per chunk A = K K^T and P = Q K^T
     (wgmma), scaled by the gates and norms, then T = (I + A)^-1 and T' = T diag(beta) (``_invert``).
     P and T' go to the chunk's slot of ``products``."""
-    products_layout = layouts
     sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
     sTv = storage.sTv.get_tensor(products_layout.outer, swizzle=products_layout.inner)
     sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
@@ -595,6 +594,16 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             zero_rows(sO, out, hv, bos, length, w, tid)
 
 
+@cute.jit
+def _set_registers(count: cutlass.Constexpr[int]):
+    """This warpgroup's registers per thread set to ``count`` (setmaxnreg): .dec below the launch's
+    LAUNCH_REGS, .inc above (.dec must not raise the count)."""
+    if const_expr(count < LAUNCH_REGS):
+        cute.arch.warpgroup_reg_dealloc(count)
+    else:
+        cute.arch.warpgroup_reg_alloc(count)
+
+
 @cute.kernel
 def _gdn_kernel(
     tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_tiles: cute.Tensor,
@@ -663,7 +672,7 @@ def _gdn_kernel(
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256))
 
     if wg == 0:
-        cute.arch.warpgroup_reg_dealloc(LOAD_REGS)
+        _set_registers(LOAD_REGS)
         if live:
             if warp == 0:
                 produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv,
@@ -672,15 +681,12 @@ def _gdn_kernel(
                 _prepare(storage, sQ, sK, loads, ready, g, beta, A_log, dt_bias, hv, bos, length, num_chunks, warp,
                          tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
     elif wg == 3:
-        if const_expr(AUX_REGS < LAUNCH_REGS):  # setmaxnreg.dec must not raise the count
-            cute.arch.warpgroup_reg_dealloc(AUX_REGS)
-        else:
-            cute.arch.warpgroup_reg_alloc(AUX_REGS)
+        _set_registers(AUX_REGS)
         if live:
             _aux(storage, sQ, sK, loads, ready, products, tidx - 384, scale, num_chunks,
                  products_layout)
     else:
-        cute.arch.warpgroup_reg_alloc(STATE_REGS)
+        _set_registers(STATE_REGS)
         _state_math(storage, sQ, sK, sV, loads, v_loads, products, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles,
                     pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv,
                     bos, length, num_chunks, slot, live, segment, (out_layout, products_layout),
