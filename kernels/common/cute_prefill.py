@@ -18,7 +18,9 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..delta_rule.recurrent_cute import compile_launcher
@@ -51,6 +53,17 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
     order = (1, 0, *range(2, cute.rank(t)))
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def pin(fragment: cute.Tensor):
+    """Each 32-bit register of a wgmma register operand through an empty asm statement, so that its
+    values are all computed here. Conversions the compiler sank between a warpgroup's wgmmas made
+    ptxas wait for each wgmma before issuing the next (the operand registers written after the arrive)."""
+    words = cute.recast_tensor(fragment, Uint32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = Uint32(llvm.inline_asm(T.i32(), [words[i].ir_value()], "", "=r,0", has_side_effects=True,
+                                          is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @cute.jit

@@ -23,34 +23,41 @@ products (A, P, the solve) overlap the previous chunk's state chain:
 - warpgroup 0, loads: warp 0 streams each chunk's q and k tiles into a ring of QK_STAGES
   shared-memory buffers and v into V_STAGES, by TMA; warps 1 .. 3 prepare the chunk's per-row
   vectors in the slot of its q / k stage (``_prepare``): the gates (the fused gate, a warp scan
-  for G, the beta sigmoid, exp(G) and the tail decays, loaded a chunk ahead), k's and q's row norms;
-- warpgroup 3, the aux, a chunk ahead (``_aux``): A = K K^T and P = Q K^T (wgmma), scaled;
+  for G, the beta sigmoid, exp(G) and the tail decays, loaded a chunk ahead), k's and q's row
+  norms, then the factors each consumer takes whole (``_combine``: one exp2 per element of A
+  and P, one multiplication per element of Z, U and O);
+- warpgroup 3, the aux, a chunk ahead (``_aux``): P = Q K^T and A = K K^T (wgmma), scaled;
   T = (I + A)^-1 (``_invert``: 8 x 8 diagonal blocks by forward substitution in float32, then
-  three doublings on the tensor cores in tf32) and T' in bf16. P and T' go to one of
+  three doublings on the tensor cores in fp16) and T' in bf16. P and T' go to one of
   PRODUCT_STAGES buffers;
 - warpgroups 1 and 2, the state (``_state_math``), each owning V / 2 = 64 state rows S^T [64 v, K]
   in float32 wgmma accumulators for the whole sequence, S^T in bf16 registers as the products'
-  A operand. Per chunk: S^T K^T and V^T T'^T, then U^T = V^T T'^T - Z T'^T (Z from registers) and
-  O^T = S^T Q^T, then O^T += U^T P^T and the state update with U^T from registers, the output
+  A operand. Per chunk: S^T K^T and O^T = S^T Q^T, then U^T = (V^T - Z) T'^T with V^T - Z from
+  registers, then O^T += U^T P^T and the state update with U^T from registers, the output
   through shared memory by TMA store.
-The state update takes U^T as two bf16 parts (hi + lo: 16 bits of mantissa) as Lightning's does:
-the state carries its error across chunks. T', Z, S^T (in S K^T and S Q^T) and P are bf16 operands,
-as W, S^T and P are in FLA's pipeline; the accumulations are float32. Relative error against the float64 oracle at
-the model shapes: 3.6e-3 (Triton's kernel 2.7e-3, FLA 4.7e-3; the bf16 tolerance is 5e-3).
+V^T - Z and the state update's U^T go in as two bf16 parts each (hi + lo: 16 bits of mantissa),
+as Lightning's state update does: the state carries its error across chunks. T', S^T (in S K^T
+and S Q^T) and P are bf16 operands, as W, S^T and P are in FLA's pipeline; the accumulations are
+float32. Relative error against the float64 oracle at the model shapes: 3.6e-3 (Triton's kernel
+2.7e-3, FLA 4.7e-3; the bf16 tolerance is 5e-3); V^T - Z as one bf16 part gave 4.0e-3.
 
-Speed (H200, CUDA-graph replay, ns per token-head; in brackets the serial kernel before it, two
-warpgroups doing every phase in turn, in the same run): 4 x 8192 0.690 (0.796), 8 x 1024 0.819
-(0.894), 1 x 2048 2.94 (3.43), with segments 1 x 32768 1.81 (1.99), TP4 1 x 8192 3.45 (3.50).
+Registers: 24 / 104 / 192 per thread for loads / aux / state. With fewer than 192 the state's
+products do not fit ptxas's wgmma pipeline and it serialises every wgmma of the kernel (a wait
+after each one, aux included: "wgmma.mma_async instructions are serialized due to insufficient
+register resources"); the aux fits 104 since its solve runs from fp16 shared memory, its
+factors come whole from ``_combine`` and its matrices leave by stmatrix. S^T's bf16 copy is
+``pin``ned before its products: conversions the compiler sank between them made ptxas wait on
+each wgmma before the next.
+
+Speed (H200, CUDA-graph replay, ns per token-head; in brackets the version with serialised
+wgmma, a tf32 solve from float32 shared memory and registers 24 / 120 / 184, same run): 4 x 8192
+0.648 (0.690), 8 x 1024 0.768 (0.819), 1 x 2048 2.48 (2.93). ncu's warp-state samples put the
+aux at about 99% busy and the state warpgroups at about 91%: the aux's scaling of P and A is
+about 38% of its samples, the solve 39%, the rest its products, stores and T'; both lose time to
+instruction-cache misses (no_inst stalls: the roles' unrolled code) and to spill reloads (long
+scoreboard stalls at LDL).
 The first warp-specialised version had the aux form -W = -T'' K as well (T'' = T diag(beta
-exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192, its aux 17-18k cycles a chunk
-against the state's 9k. Without W, clock64 probes of one CTA at 4 x 8192 give the aux about 14k
-(the solve 8.6-9.1k; K K^T and Q K^T with the vectors' wait 2.2k; the scaling and A's stores
-1.1-3.4k; the P slot's wait and P's stores 0.7-1.7k) and the state about 10k (S^T K^T and
-V^T T'^T 2.5-2.9k; Z T'^T and S^T Q^T 2.0-2.5k; U's parts, O += U^T P^T and the state update
-2.4-3.6k; the output 2.0-2.2k). The aux is still the bottleneck, the solve most of it: 4.6k
-when the state warps were idle, so on one warp per scheduler it is latency-bound and contends
-with the state's CUDA-core phases. Registers: 24 / 120 / 184 per thread for loads / aux / state;
-at 104 for the aux its spills took 4 x 8192 from 0.80 to 1.05.
+exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192.
 Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
 on the tensor cores), the chain's products and scalings 3.7k, K K^T / Q K^T and their scaling
 1.8k, the output and the state's restaging 1.2k, gates and norms 1.1k, W 0.8k.
@@ -83,13 +90,13 @@ import torch
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr, pipeline
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cute.nvgpu.warp import MmaTF32Op, StMatrix8x8x16bOp
+from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, MmaF16BF16Op, StMatrix8x8x16bOp
 import cuda.bindings.driver as cuda
 
 from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, block_segment, block_sequence, check_index_dtypes,
-                                   checkpoints, finish_chunk, gemm, kmajor, launch, launch_arguments, load_state,
+                                   checkpoints, finish_chunk, gemm, kmajor, pin, launch, launch_arguments, load_state,
                                    make_loads, output_read, output_store, produce, row_inv_norms, store_state,
                                    tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
 from ..common import segments
@@ -98,24 +105,24 @@ from ..common.prep import Recipe
 from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid
 
 BLOCK = 16  # rows of an mma.sync tile in the solve, and of the diagonal blocks its first doubling makes
-# float32 row stride of A and T in shared memory: with 64 the rows' same columns share banks (the
-# accumulator's stores into A were 8-way conflicts, T's row reads by quarter rows as well)
+# fp16 row stride of A and T in shared memory: 144 bytes, so that the 16-byte pieces of 8
+# consecutive rows fall in distinct banks
 ROW_STRIDE = C + 8
-TF32_HALF_ULP = 1 << 12  # float32 bits: tf32 keeps the top 10 of the 23 mantissa bits
 GDN_THREADS = 512  # the load warpgroup, two state warpgroups, the aux warpgroup
 QK_STAGES = 3  # q / k tiles in flight: a chunk's are read from the aux's turn to the end of the state's
 V_STAGES = 2
 PRODUCT_STAGES = 2  # P and T' buffers: the aux writes the next chunk's while the state warpgroups read this one's
-VECTORS = 6  # per-row float32 vectors of a chunk (``_vectors``)
+VECTORS = 12  # per-row float32 vectors of a chunk (``_vectors``)
 # registers per thread: 65536 over the four warpgroups, each starting with LAUNCH_REGS (aux 136 /
 # state 176 and 152 / 168 measured within 2% of these, either way by shape)
 LAUNCH_REGS = 65536 // GDN_THREADS
 LOAD_REGS = 24
-AUX_REGS = 120
-STATE_REGS = 184
+AUX_REGS = 104
+STATE_REGS = 192
 # named barriers: 0 is the CTA's, 1 and 2 each state warpgroup's (``finish_chunk``)
 AUX = 3  # the aux warpgroup
 PAIR = 4  # 4 and 5: the aux's warps 0 and 1, and 2 and 3, in the solve
+PREPARE = 6  # the load warpgroup's warps 1 .. 3
 
 
 @cute.jit
@@ -172,104 +179,67 @@ def _chunk_gates(raw: list, sG: cute.Tensor, sB: cute.Tensor, sDecay: cute.Tenso
 
 
 @cute.jit
-def _betas(sB: cute.Tensor, col0, n: cutlass.Constexpr[int]) -> list:
-    """beta_s for the n columns s = col0 .. col0 + n - 1 (T' is T with its columns scaled by them)."""
-    b = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-    cute.autovec_copy(cute.local_tile(sB, (n,), (col0 // n,)), b)
-    return [b[e] for e in range(n)]
+def _invert(sA: cute.Tensor, sT: cute.Tensor, ctid: Int32):
+    """T = (I + A)^-1 for the strictly lower A (64 x 64, fp16 in shared memory, zero on and above
+    the diagonal) by the aux warpgroup, into sT's strictly lower part (fp16; its diagonal and
+    upper part hold the identity from the start and are never written).
 
-
-@cute.jit
-def _store_scaled(sTv: cute.Tensor, row, col0, values: list, betas: list):
-    """T'[row, col0 + e] (bf16) from T's values there."""
-    n = len(values)
-    part = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
-    for e in cutlass.range_constexpr(n):
-        part[e] = BFloat16(values[e] * betas[e])
-    cute.autovec_copy(part, cute.local_tile(sTv[row, None], (n,), (col0 // n,)))
-
-
-@cute.jit
-def _invert(sA: cute.Tensor, sT: cute.Tensor, sTv: cute.Tensor, sB: cute.Tensor, ctid: Int32):
-    """T = (I + A)^-1 for the strictly lower float32 A (64 x 64) by the aux warpgroup, and
-    from it T' = T diag(beta) in bf16, each value scaled and stored where it is computed (the
-    upper blocks of T and T' are zero from the start and stay so).
-
-    The diagonal 8 x 8 blocks first: column c of T_II solves (I + A_II) x = e_c, a thread per
-    column, right-looking (a chain of 8 dependent steps). Then three doublings on the tensor
-    cores (``_tile_product``): the lower left 8 x 8 block of each 16 x 16 diagonal block, by the
-    warp that solved it; the 32 x 32 diagonal blocks, their lower 16-row halves side by side; and
-    last the lower 32 rows from the upper 32. Each takes rows R from columns C, T_RC = T_RR X with
-    X = -A_RC T_CC. X goes to T's upper right 32 x 32 block, which nothing else reads (its rows
-    start 72 floats apart: the fragments' loads and stores are free of bank conflicts). Blocks of
-    16 substituted (16-step chains) and doubled on the CUDA cores took 4.5k of the kernel's 13.9k
-    cycles per chunk (H100, 4 x 8192)."""
+    The diagonal 8 x 8 blocks first: column c of T_II solves (I + A_II) x = e_c in float32, a
+    thread per column, right-looking (a chain of 8 dependent steps). Then three doublings, each
+    T_RC = -(T_RR A_RC) T_CC for the rows R and columns C of a diagonal block's lower left part:
+    the 8 x 8 ones of the 16-row blocks (a warp each), the 16 x 16 ones of the 32-row blocks (two
+    warps, 8 columns each) and the lower left 32 x 32 (a warp per 16 x 16). The products run on
+    the tensor cores in fp16 with float32 accumulation (``_chain``): 11 significant bits, as tf32's
+    operands have, at half the instructions. The entries of T stay far below fp16's range for
+    unit-norm keys and beta <= 1."""
     warp_id = ctid // 32
     lane = ctid % 32
-    corner = BLOCK * warp_id
     if lane < BLOCK:
-        c = corner + lane
+        c = BLOCK * warp_id + lane
         base = (c // 8) * 8
-        # views at the block's corner and the column's top: one base address, constant offsets
-        block_A = cute.make_tensor(sA.iterator + base * (ROW_STRIDE + 1),
-                                   cute.make_layout((8, 8), stride=(ROW_STRIDE, 1)))
-        column_T = cute.make_tensor(sT.iterator + base * ROW_STRIDE + c, cute.make_layout(8, stride=ROW_STRIDE))
-        # x = e_d - A e_d - ..., d = c - base: the unit x_d enters through its column of A (zero
-        # on and above the diagonal), and x_d itself is written last. Selecting e_d's entries by
-        # row instead gave loop-invariant registers, which were spilled and reloaded per chunk.
         d = c - base
-        x = [-block_A[i, d] for i in range(8)]
+        # the block's rows, 16 bytes each, and its column c: x = e_d - A e_d - ..., the unit x_d
+        # entering through its column of A (zero on and above the diagonal)
+        rows = cute.make_rmem_tensor(cute.make_layout((8, 8), stride=(8, 1)), Float16)
+        for i in cutlass.range_constexpr(8):
+            cute.autovec_copy(cute.make_tensor(sA.iterator + (base + i) * ROW_STRIDE + base, cute.make_layout(8)),
+                              rows[i, None])
+        column_A = cute.make_tensor(sA.iterator + base * ROW_STRIDE + c, cute.make_layout(8, stride=ROW_STRIDE))
+        column_T = cute.make_tensor(sT.iterator + base * ROW_STRIDE + c, cute.make_layout(8, stride=ROW_STRIDE))
+        x = [-Float32(column_A[i]) for i in range(8)]
         for m in cutlass.range_constexpr(8):
             for i in cutlass.range_constexpr(m + 1, 8):
-                x[i] = x[i] - block_A[i, m] * x[m]
-        betas = _betas(sB, c, 1)
-        for i in cutlass.range_constexpr(8):
-            column_T[i] = x[i]
-            _store_scaled(sTv, base + i, c, [x[i]], betas)
-        column_T[d] = Float32(1.0)
-        _store_scaled(sTv, c, c, [Float32(1.0)], betas)
+                x[i] = x[i] - Float32(rows[i, m]) * x[m]
+        for i in cutlass.range_constexpr(1, 8):
+            if i > d:
+                column_T[i] = Float16(x[i])
     cute.arch.sync_warp()
-    # rows 8 .. 15 of 16-row products: X = -A_10 T_00 (rows 8 warp_id .. + 7 of the upper right
-    # block), then T_10 = T_11 X (rows 0 .. 7 multiply the zero block above T_11)
-    acc, rc = _tile_product(_block(sA, corner, corner, BLOCK, 8), _block(sT, corner, corner, 8, 8, True), lane)
-    _store_tile(sT, acc, rc, 8 * warp_id - 8, C // 2, Float32(-1.0), 8)
-    cute.arch.sync_warp()
-    acc, rc = _tile_product(_block(sT, corner, corner + 8, BLOCK, 8), _block(sT, 8 * warp_id, C // 2, 8, 8, True),
-                            lane)
-    _store_tile(sT, acc, rc, corner, corner, Float32(1.0), 8)
-    _store_scaled_tile(sTv, sB, acc, rc, corner, corner, 8)
-    # the 32 x 32 diagonal block at rows 32 h: rows 32 h + 16 .. + 31 from rows 32 h .. + 15,
-    # by warps 2 h and 2 h + 1 (8 of the 16 columns each) on their own barrier
+    corner = BLOCK * warp_id
+    # 16-row blocks: R = corner + 8 .. + 15, C = corner .. + 7, as rows 8 .. 15 of a 16-row
+    # product whose rows 0 .. 7 multiply T's zero block above T_RR
+    _chain(_view(sT, corner, corner + 8, BLOCK, 8), _view(sA, corner + 8, corner, 8, 8, True),
+           _view(sT, corner, corner, 8, 8, True), sT, corner, corner, lane, 8)
+    # 32-row blocks: R = 32 h + 16 .. + 31, C = 32 h .. + 15, columns n0 .. n0 + 7 of T_RC by warp 2 h + n0 / 8
     h = warp_id // 2
     n0 = 8 * (warp_id % 2)
     pair_corner = 2 * BLOCK * h
     cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
-    acc, rc = _tile_product(_block(sA, pair_corner + BLOCK, pair_corner, BLOCK, BLOCK),
-                            _block(sT, pair_corner, pair_corner + n0, BLOCK, 8, True), lane)
-    _store_tile(sT, acc, rc, 0, C // 2 + BLOCK * h + n0, Float32(-1.0))
-    cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
-    acc, rc = _tile_product(_block(sT, pair_corner + BLOCK, pair_corner + BLOCK, BLOCK, BLOCK),
-                            _block(sT, 0, C // 2 + BLOCK * h + n0, BLOCK, 8, True), lane)
-    _store_tile(sT, acc, rc, pair_corner + BLOCK, pair_corner + n0, Float32(1.0))
-    _store_scaled_tile(sTv, sB, acc, rc, pair_corner + BLOCK, pair_corner + n0)
+    _chain(_view(sT, pair_corner + BLOCK, pair_corner + BLOCK, BLOCK, BLOCK),
+           _view(sA, pair_corner + BLOCK, pair_corner, BLOCK, BLOCK, True),
+           _view(sT, pair_corner, pair_corner + n0, BLOCK, 8, True), sT, pair_corner + BLOCK, pair_corner + n0,
+           lane)
     cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
-    # rows 32 .. 63 from rows 0 .. 31: a warp per 8 columns, two 16 x 8 tiles each
-    n0 = 8 * warp_id
-    for r in cutlass.range_constexpr(2):
-        acc, rc = _tile_product(_block(sA, C // 2 + BLOCK * r, 0, BLOCK, C // 2), _block(sT, 0, n0, C // 2, 8, True),
-                                lane)
-        _store_tile(sT, acc, rc, BLOCK * r, C // 2 + n0, Float32(-1.0))
-    cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
-    for r in cutlass.range_constexpr(2):
-        acc, rc = _tile_product(_block(sT, C // 2 + BLOCK * r, C // 2, BLOCK, C // 2),
-                                _block(sT, 0, C // 2 + n0, C // 2, 8, True), lane)
-        _store_scaled_tile(sTv, sB, acc, rc, C // 2 + BLOCK * r, n0)
+    # rows 32 .. 63 from rows 0 .. 31: rows 32 + 16 y .. + 15, columns n1 .. n1 + 15 by warp 2 y + n1 / 16
+    y = warp_id // 2
+    n1 = BLOCK * (warp_id % 2)
+    _chain(_view(sT, C // 2 + BLOCK * y, C // 2, BLOCK, C // 2), _view(sA, C // 2, 0, C // 2, C // 2, True),
+           _view(sT, 0, n1, C // 2, BLOCK, True), sT, C // 2 + BLOCK * y, n1, lane)
 
 
 @cute.jit
-def _block(t: cute.Tensor, row0, col0, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
-           TRANSPOSE: cutlass.Constexpr[bool] = False) -> cute.Tensor:
-    """t[row0 : row0 + rows, col0 : col0 + cols] of a float32 [C, ROW_STRIDE] matrix in shared
+def _view(t: cute.Tensor, row0, col0, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+          TRANSPOSE: cutlass.Constexpr[bool] = False) -> cute.Tensor:
+    """t[row0 : row0 + rows, col0 : col0 + cols] of an fp16 [C, ROW_STRIDE] matrix in shared
     memory, or with TRANSPOSE its transpose [cols, rows] (an MMA's B operand is [N, K])."""
     if const_expr(TRANSPOSE):
         return cute.make_tensor(t.iterator + row0 * ROW_STRIDE + col0,
@@ -279,78 +249,100 @@ def _block(t: cute.Tensor, row0, col0, rows: cutlass.Constexpr[int], cols: cutla
 
 
 @cute.jit
-def _tile_product(X: cute.Tensor, Y: cute.Tensor, lane: Int32) -> tuple:
-    """One warp's X [16, K] Y^T (Y [8, K]) from float32 shared memory on the tensor cores
-    (mma.sync m16n8k8 in tf32, float32 accumulation): the [16, 8] accumulator fragment and each
-    element's (row, column). The operands are rounded to tf32's 11 significant bits (to nearest:
-    half a unit of the last kept bit is added to the float32 bits, whose low 13 bits the tensor
-    cores ignore); the products' results are rounded to bf16's 8 where T' is stored."""
-    mma = cute.make_tiled_mma(MmaTF32Op((16, 8, 8)))
-    thr = mma.get_slice(lane)
-    sX = thr.partition_A(cute.make_tensor(cute.recast_ptr(X.iterator, dtype=Int32), X.layout))
-    sY = thr.partition_B(cute.make_tensor(cute.recast_ptr(Y.iterator, dtype=Int32), Y.layout))
-    rX = mma.make_fragment_A(thr.partition_shape_A(X.shape))
-    rY = mma.make_fragment_B(thr.partition_shape_B(Y.shape))
-    for i in cutlass.range_constexpr(cute.size(rX)):
-        rX[i] = sX[i] + Int32(TF32_HALF_ULP)
-    for i in cutlass.range_constexpr(cute.size(rY)):
-        rY[i] = sY[i] + Int32(TF32_HALF_ULP)
-    acc = cute.make_rmem_tensor(thr.partition_shape_C((BLOCK, 8)), Float32)
+def _chain(X: cute.Tensor, Yt: cute.Tensor, Zt: cute.Tensor, sT: cute.Tensor, row0, col0, lane: Int32,
+           FIRST_ROW: cutlass.Constexpr[int] = 0):
+    """One warp's -(X Y) Z (X [16, K1], Y^T = Yt [K2 = N1, K1], Z^T = Zt [N2, K2]) on the tensor
+    cores (mma.sync, fp16 operands, float32 accumulation) into sT[row0 + r, col0 + c] for the
+    rows r >= FIRST_ROW of the [16, N2] result. X Y stays in registers: an accumulator fragment
+    is, element for element, the A operand of the next product."""
+    k1 = cute.size(X.shape[1])
+    n1 = cute.size(Yt.shape[0])
+    n2 = cute.size(Zt.shape[0])
+    mma1 = cute.make_tiled_mma(MmaF16BF16Op(Float16, Float32, (16, 8, cutlass.min(k1, 16))),
+                               permutation_mnk=(16, n1, k1))
+    thr1 = mma1.get_slice(lane)
+    x = mma1.make_fragment_A(thr1.partition_shape_A(X.shape))
+    y = mma1.make_fragment_B(thr1.partition_shape_B(Yt.shape))
+    cute.autovec_copy(thr1.partition_A(X), x)
+    cute.autovec_copy(thr1.partition_B(Yt), y)
+    xy = cute.make_rmem_tensor(thr1.partition_shape_C((16, n1)), Float32)
+    xy.fill(0.0)
+    cute.gemm(mma1, xy, x, y, xy)
+    mma2 = cute.make_tiled_mma(MmaF16BF16Op(Float16, Float32, (16, 8, cutlass.min(n1, 16))),
+                               permutation_mnk=(16, n2, n1))
+    thr2 = mma2.get_slice(lane)
+    a = mma2.make_fragment_A(thr2.partition_shape_A((16, n1)))
+    z = mma2.make_fragment_B(thr2.partition_shape_B(Zt.shape))
+    cute.autovec_copy(thr2.partition_B(Zt), z)
+    for i in cutlass.range_constexpr(cute.size(a)):
+        a[i] = Float16(-xy[i])
+    acc = cute.make_rmem_tensor(thr2.partition_shape_C((16, n2)), Float32)
     acc.fill(0.0)
-    cute.gemm(mma, acc, rX, rY, acc)
-    return acc, thr.partition_C(cute.make_identity_tensor((BLOCK, 8)))
-
-
-@cute.jit
-def _store_tile(sT: cute.Tensor, acc: cute.Tensor, rc: cute.Tensor, row0, col0, sign: Float32,
-                FIRST_ROW: cutlass.Constexpr[int] = 0):
-    """sT[row0 + r, col0 + c] = sign * acc over a [16, 8] fragment's rows r >= FIRST_ROW."""
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        r, c = rc[i]
-        if r >= FIRST_ROW:
-            sT[row0 + r, col0 + c] = sign * acc[i]
-
-
-@cute.jit
-def _store_scaled_tile(sTv: cute.Tensor, sB: cute.Tensor, acc: cute.Tensor, rc: cute.Tensor, row0, col0,
-                       FIRST_ROW: cutlass.Constexpr[int] = 0):
-    """T' at rows row0 + r (r >= FIRST_ROW), columns col0 + c of a [16, 8] fragment of T: the
-    fragment holds column pairs (c, c + 1) of two rows."""
+    cute.gemm(mma2, acc, a, z, acc)
+    rc = thr2.partition_C(cute.make_identity_tensor((16, n2)))
     for i in cutlass.range_constexpr(cute.size(acc) // 2):
         r, c = rc[2 * i]
         if r >= FIRST_ROW:
-            _store_scaled(sTv, row0 + r, col0 + c, [acc[2 * i], acc[2 * i + 1]], _betas(sB, col0 + c, 2))
+            pair = cute.make_rmem_tensor(cute.make_layout(2), Float16)
+            pair[0] = Float16(acc[2 * i])
+            pair[1] = Float16(acc[2 * i + 1])
+            cute.autovec_copy(pair, cute.make_tensor(sT.iterator + (row0 + r) * ROW_STRIDE + col0 + c,
+                                                     cute.make_layout(2)))
 
 
 @cute.jit
 def _vectors(storage, slot: Int32) -> tuple:
-    """Chunk slot ``slot``'s per-row vectors in shared memory, each float32 [C]: (G, beta, exp(G),
-    tail, rq, rk) as ``_chunk_gates`` and ``row_inv_norms`` write them."""
+    """Chunk slot ``slot``'s per-row vectors in shared memory, each float32 [C]: first (G, beta,
+    exp(G), tail, rq, rk) as ``_chunk_gates`` and ``row_inv_norms`` write them, then the factors
+    their consumers take (``_combine``)."""
     base = storage.vectors.data_ptr() + slot * (VECTORS * C)
     return tuple(cute.make_tensor(base + e * C, cute.make_layout(C)) for e in range(VECTORS))
 
 
 @cute.jit
+def _combine(vectors: tuple, scale: Float32, log2_scale: Float32, r: Int32):
+    """Row r's factors, one vector each, so that a consumer thread reads one value per row or
+    column instead of three: the aux's exponents (log2 domain, one exp2 per element)
+        P_ts = q_t . k_s * exp2(p_row_t - column_s),  A_ts = k_t . k_s * exp2(a_row_t - column_s)
+    with column_s = G_s log2(e) - log2(rk_s), p_row_t = G_t log2(e) + log2(rq_t scale),
+    a_row_t = G_t log2(e) + log2(rk_t beta_t) (beta 0: -inf, a zero row), and the state's
+    z_s = exp(G_s) rk_s, u_s = tail_s rk_s, o_t = scale rq_t exp(G_t)."""
+    sG, sB, sDecay, sTail, rq, rk, column, p_row, a_row, z, u, o = vectors
+    G = sG[r] * Float32(LOG2E)
+    log2_rk = cute.math.log2(rk[r], fastmath=True)
+    log2_rq = cute.math.log2(rq[r], fastmath=True)
+    column[r] = G - log2_rk
+    p_row[r] = G + log2_rq + log2_scale
+    a_row[r] = G + log2_rk + cute.math.log2(sB[r], fastmath=True)
+    z[r] = sDecay[r] * rk[r]
+    u[r] = sTail[r] * rk[r]
+    o[r] = scale * rq[r] * sDecay[r]
+
+
+@cute.jit
 def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Tensor, beta: cute.Tensor,
-             A_log: cute.Tensor, dt_bias: cute.Tensor, hv: Int32, bos: Int32, length: Int32, num_chunks: Int32,
-             warp: Int32, lane: Int32, QK_L2NORM: cutlass.Constexpr[bool], GATE: cutlass.Constexpr[int],
-             HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool]):
+             A_log: cute.Tensor, dt_bias: cute.Tensor, scale: Float32, hv: Int32, bos: Int32, length: Int32,
+             num_chunks: Int32, warp: Int32, lane: Int32, QK_L2NORM: cutlass.Constexpr[bool],
+             GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool]):
     """Warps 1 .. 3 of the load warpgroup: each chunk's vectors into the slot of its q / k stage
     (which holds nothing older once the chunk's tiles have landed). Warp 1 the gates (their raw
-    inputs loaded a chunk ahead), warp 2 k's row norms, warp 3 q's; then ``ready``."""
+    inputs loaded a chunk ahead), warp 2 k's row norms, warp 3 q's; then, a row a thread, the
+    factors the aux and the state take (``_combine``) and ``ready``."""
     A = Float32(1.0)
     bias = Float32(0.0)
     if const_expr(GATE != GATE_NONE):
         A = cute.math.exp(Float32(A_log[hv]), fastmath=True)
         if const_expr(HAS_DT_BIAS):
             bias = Float32(dt_bias[hv])
+    log2_scale = cute.math.log2(scale, fastmath=True)
     gate_warp = warp == 1
     # only the gate warp loads (the others' empty rows load nothing)
     raw = _load_gates(g, beta, bos, cutlass.select_(gate_warp, length, 0), hv, lane)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
     for j in cutlass.range(num_chunks, unroll=1):
         loads.consumer_wait(state)
-        sG, sB, sDecay, sTail, rq, rk = _vectors(storage, state.index)
+        vectors = _vectors(storage, state.index)
+        sG, sB, sDecay, sTail, rq, rk = vectors[:6]
         if gate_warp:
             _chunk_gates(raw, sG, sB, sDecay, sTail, cutlass.min(length - j * C, C), A, bias, lane, GATE,
                          BETA_LOGITS)
@@ -360,16 +352,19 @@ def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Te
             row_inv_norms(sQ[None, None, state.index], rq, lane, QK_L2NORM, 32)
         raw = _load_gates(g, beta, bos + (j + 1) * C, cutlass.select_(gate_warp, length - (j + 1) * C, 0), hv,
                           lane)
+        cute.arch.barrier(barrier_id=PREPARE, number_of_threads=96)
+        if warp < 3:
+            _combine(vectors, scale, log2_scale, (warp - 1) * 32 + lane)
         ready.producer_commit(state)
         state.advance()
 
 
 @cute.jit
-def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid: Int32, scale: Float32,
-         num_chunks: Int32, products_layout: cutlass.Constexpr):
-    """The aux warpgroup, a chunk ahead of the state warpgroups: per chunk A = K K^T and P = Q K^T
-    (wgmma), scaled by the gates and norms, then T = (I + A)^-1 and T' = T diag(beta) (``_invert``).
-    P and T' go to the chunk's slot of ``products``."""
+def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid: Int32, num_chunks: Int32,
+         products_layout: cutlass.Constexpr):
+    """The aux warpgroup, a chunk ahead of the state warpgroups: per chunk P = Q K^T and A = K K^T
+    (wgmma), scaled by the gates and norms (A in fp16), then T = (I + A)^-1 (``_invert``) and
+    T' = T diag(beta) in bf16. P and T' go to the chunk's slot of ``products``."""
     sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
     sTv = storage.sTv.get_tensor(products_layout.outer, swizzle=products_layout.inner)
     sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
@@ -384,18 +379,26 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
     accA = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
     accP = cute.make_rmem_tensor(thr_ss.partition_shape_C((C, C)), Float32)
     cX = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
-    p_staged = cute.make_rmem_tensor(accP.layout, BFloat16)
-    # P leaves the accumulator by stmatrix: an address per four 8 x 8 blocks, where element stores
-    # into the swizzled tile kept an address per element live (and spilled)
-    stsm = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
-    p_copy = cute.make_tiled_copy_C(stsm, mma_ss).get_slice(tid)
+    # the 64 x 64 matrices move between registers (the accumulator's layout) and shared memory by
+    # stmatrix / ldmatrix: an address per four 8 x 8 blocks, where element stores into the swizzled
+    # tiles kept an address per element live (and spilled)
+    p_copy = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                                        BFloat16), mma_ss).get_slice(tid)
+    a_copy = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                                        Float16), mma_ss).get_slice(tid)
+    t_copy = cute.make_tiled_copy_C(cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                                        Float16), mma_ss).get_slice(tid)
     tPsP = p_copy.partition_D(sP)
+    tPsTv = p_copy.partition_D(sTv)
+    tAsA = a_copy.partition_D(sA)
+    tTsT = t_copy.partition_S(sT)
+    p_staged = cute.make_rmem_tensor(accP.layout, BFloat16)
+    a_staged = cute.make_rmem_tensor(accA.layout, Float16)
+    t_staged = cute.make_rmem_tensor(accA.layout, Float16)
 
-    # the blocks of T and T' above the diagonal stay zero; the solve writes the others
+    # T's diagonal and upper part: the identity, for good (the solve writes below the diagonal)
     for e in cutlass.range(tid, C * C, 128, unroll=1):
-        sT[e // C, e % C] = Float32(0.0)
-        for b in cutlass.range_constexpr(PRODUCT_STAGES):
-            sTv[e // C, e % C, b] = BFloat16(0.0)
+        sT[e // C, e % C] = Float16(cutlass.select_(e // C == e % C, Float32(1.0), Float32(0.0)))
     cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
 
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
@@ -404,31 +407,33 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
         loads.consumer_wait(state)
         stage = state.index
         warpgroup.fence()
-        gemm(mma_ss, accA, tXrK[None, None, None, stage], tXrKb[None, None, None, stage], False)
         gemm(mma_ss, accP, tXrQ[None, None, None, stage], tXrKb[None, None, None, stage], False)
+        gemm(mma_ss, accA, tXrK[None, None, None, stage], tXrKb[None, None, None, stage], False)
         ready.consumer_wait(state)
-        sG, sB, sDecay, sTail, rq, rk = _vectors(storage, stage)
-        warpgroup.wait_group(0)
-        loads.consumer_release(state)
-        # factors first, stores after: a store between them would make every factor's shared loads
-        # be issued again (the compiler cannot tell sA from sG)
+        vectors = _vectors(storage, stage)
+        sB, column, p_row, a_row = vectors[1], vectors[6], vectors[7], vectors[8]
+        warpgroup.wait_group(1)  # P's product: its scaling and stores while A's runs
         for i in cutlass.range_constexpr(cute.size(accP)):
             t, s = cX[i]
-            exponent = cutlass.select_(s <= t, sG[t] - sG[s], Float32(0.0))
-            f = cute.math.exp2(exponent * Float32(LOG2E), fastmath=True) * (scale * rq[t] * rk[s])
+            f = cute.math.exp2(p_row[t] - column[s], fastmath=True)
             p_staged[i] = BFloat16(cutlass.select_(s <= t, accP[i] * f, Float32(0.0)))
-        for i in cutlass.range_constexpr(cute.size(accA)):
-            t, s = cX[i]
-            f = cute.math.exp2((sG[t] - sG[s]) * Float32(LOG2E), fastmath=True) * (sB[t] * rk[t] * rk[s])
-            accA[i] = cutlass.select_(s < t, accA[i] * f, Float32(0.0))
-        for i in cutlass.range_constexpr(cute.size(accA)):
-            t, s = cX[i]
-            sA[t, s] = accA[i]
         products.producer_acquire(out)
         cute.copy(p_copy, p_copy.retile(p_staged), tPsP[None, None, None, out.index])
+        warpgroup.wait_group(0)
+        loads.consumer_release(state)
+        for i in cutlass.range_constexpr(cute.size(accA)):
+            t, s = cX[i]
+            f = cute.math.exp2(a_row[t] - column[s], fastmath=True)
+            a_staged[i] = Float16(cutlass.select_(s < t, accA[i] * f, Float32(0.0)))
+        cute.copy(a_copy, a_copy.retile(a_staged), tAsA)
         cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # A written
 
-        _invert(sA, sT, sTv[None, None, out.index], sB, tid)
+        _invert(sA, sT, tid)
+        cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # T written
+        cute.copy(t_copy, tTsT, t_copy.retile(t_staged))
+        for i in cutlass.range_constexpr(cute.size(t_staged)):
+            p_staged[i] = BFloat16(Float32(t_staged[i]) * sB[cX[i][1]])
+        cute.copy(p_copy, p_copy.retile(p_staged), tPsTv[None, None, None, out.index])
         cute.arch.fence_proxy("async.shared", space="cta")  # P and T' visible to the state's wgmma
         products.producer_commit(out)
         state.advance()
@@ -439,7 +444,7 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
 def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, v_loads, products, w: Int32,
                 tid: Int32, out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor,
                 has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor, checkpoint_every: Int32,
-                num_checkpoints: Int32, scale: Float32, n: Int32, hv: Int32, bos: Int32, length: Int32,
+                num_checkpoints: Int32, n: Int32, hv: Int32, bos: Int32, length: Int32,
                 num_chunks: Int32, slot: Int64, live, segment: tuple, layouts: cutlass.Constexpr,
                 HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool],
                 HAS_CKPT: cutlass.Constexpr[bool], SEGMENTED: cutlass.Constexpr[bool]):
@@ -460,17 +465,14 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     K_ = warpgroup.OperandMajorMode.K
     MN = warpgroup.OperandMajorMode.MN
     RMEM = warpgroup.OperandSource.RMEM
-    mma_vt = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, MN, K_, Float32, (1, 1, 1), (HALF, C))
     mma_up = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (HALF, C),
                                                a_source=RMEM)
     mma_st = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (HALF, HEAD_DIM),
                                                a_source=RMEM)
-    thr_vt = mma_vt.get_slice(tid)
     thr_up = mma_up.get_slice(tid)
     thr_st = mma_st.get_slice(tid)
 
-    tUrV = mma_vt.make_fragment_A(thr_vt.partition_A(transposed(sV)))         # V^T [v, s]
-    tUrT = mma_vt.make_fragment_B(thr_vt.partition_B(sTv))                      # T' [t, s]
+    tVsV = thr_up.partition_C(transposed(sV))                                   # V^T [v, s], as Z's elements
     tZrT = mma_up.make_fragment_B(thr_up.partition_B(sTv))                      # T' [t, s]
     tXrK = mma_up.make_fragment_B(thr_up.partition_B(sK))                       # K [s, k]
     tOrQ = mma_up.make_fragment_B(thr_up.partition_B(sQ))                       # Q [t, k]
@@ -484,6 +486,7 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     tUrS = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, HEAD_DIM)))
     tUrU = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
     tUrZ = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
+    tUrZ_lo = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
     tSrU_hi = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
     tSrU_lo = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
     cU = thr_up.partition_C(cute.make_identity_tensor((HALF, C)))  # (row, column) of each element
@@ -510,52 +513,51 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             L = cutlass.min(length - j * C, C)
             for i in cutlass.range_constexpr(cute.size(accS)):
                 tUrS[i] = BFloat16(accS[i])
+            pin(tUrS)
             output_read(tid)
             products.consumer_wait(chunk)
             loads.consumer_wait(state)
             v_loads.consumer_wait(v_state)
             stage = state.index
-            sG, sB, sDecay, sTail, rq, rk = _vectors(storage, stage)
+            vectors = _vectors(storage, stage)
+            sDecay, z, u, o = vectors[2], vectors[9], vectors[10], vectors[11]
 
-            # U^T = (V^T - Z) T'^T with Z = (S^T K^T) diag(exp(G) rk): S^T W^T without forming W
+            # Z = (S^T K^T) diag(exp(G) rk) and the output's S^T Q^T, the only products of S^T's bf16 copy
             warpgroup.fence()
             gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
-            if const_expr(SEGMENTED):
-                if maps == 0:  # map rows see zero values: U^T = -Z T'^T
-                    gemm(mma_vt, accU, tUrV[None, None, None, 2 * v_state.index + w],
-                         tUrT[None, None, None, chunk.index], False)
-            else:
-                gemm(mma_vt, accU, tUrV[None, None, None, 2 * v_state.index + w], tUrT[None, None, None, chunk.index],
-                     False)
+            gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
             decay_L = sDecay[C - 1]
+            tVsV_stage = tVsV[None, None, None, 2 * v_state.index + w]
             warpgroup.wait_group(0)
-            v_loads.consumer_release(v_state)
+            # U^T = (V^T - Z) T'^T (S^T W^T without forming W), the difference as two bf16 parts
+            # (hi + lo); map rows see zero values
             for i in cutlass.range_constexpr(cute.size(accX)):
                 s = cU[i][1]
-                tUrZ[i] = BFloat16(-accX[i] * (sDecay[s] * rk[s]))
+                v = Float32(tVsV_stage[i])
+                if const_expr(SEGMENTED):
+                    v = cutlass.select_(maps == 0, v, Float32(0.0))
+                x = v - accX[i] * z[s]
+                hi = BFloat16(x)
+                tUrZ[i] = hi
+                tUrZ_lo[i] = BFloat16(x - Float32(hi))
+            v_loads.consumer_release(v_state)
             warpgroup.fence()
-            if const_expr(SEGMENTED):
-                if maps != 0:
-                    gemm(mma_up, accU, tUrZ, tZrT[None, None, None, chunk.index], False)
-                else:
-                    gemm(mma_up, accU, tUrZ, tZrT[None, None, None, chunk.index], True)
-            else:
-                gemm(mma_up, accU, tUrZ, tZrT[None, None, None, chunk.index], True)
-            gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
+            gemm(mma_up, accU, tUrZ, tZrT[None, None, None, chunk.index], False)
+            gemm(mma_up, accU, tUrZ_lo, tZrT[None, None, None, chunk.index], True)
+            for i in cutlass.range_constexpr(cute.size(accO)):
+                t = cU[i][1]
+                accO[i] = accO[i] * o[t]
             cute.arch.barrier(barrier_id=1 + w, number_of_threads=128)  # the last output store has read sO
             warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(accU)):
                 s = cU[i][1]
                 tUrU[i] = BFloat16(accU[i])
-                x = accU[i] * (sTail[s] * rk[s])
+                x = accU[i] * u[s]
                 hi = BFloat16(x)
                 tSrU_hi[i] = hi
                 tSrU_lo[i] = BFloat16(x - Float32(hi))
             for i in cutlass.range_constexpr(cute.size(accS)):
                 accS[i] = accS[i] * decay_L
-            for i in cutlass.range_constexpr(cute.size(accO)):
-                t = cU[i][1]
-                accO[i] = accO[i] * (scale * rq[t] * sDecay[t])
             warpgroup.fence()
             gemm(mma_up, accO, tUrU, tOrP[None, None, None, chunk.index], True)
             gemm(mma_st, accS, tSrU_hi, tSrK[None, None, None, stage], True)
@@ -650,8 +652,8 @@ def _gdn_kernel(
         sO: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(out_layout)], 1024]
         sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(products_layout)], 1024]
         sTv: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(products_layout)], 1024]
-        sA: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
-        sT: cute.struct.Align[cute.struct.MemRange[Float32, C * ROW_STRIDE], 16]
+        sA: cute.struct.Align[cute.struct.MemRange[Float16, C * ROW_STRIDE], 16]
+        sT: cute.struct.Align[cute.struct.MemRange[Float16, C * ROW_STRIDE], 16]
         vectors: cute.struct.Align[cute.struct.MemRange[Float32, QK_STAGES * VECTORS * C], 16]
 
     storage = cutlass.utils.SmemAllocator().allocate(Shared)
@@ -678,17 +680,16 @@ def _gdn_kernel(
                 produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv,
                         v_loads)
             else:
-                _prepare(storage, sQ, sK, loads, ready, g, beta, A_log, dt_bias, hv, bos, length, num_chunks, warp,
-                         tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
+                _prepare(storage, sQ, sK, loads, ready, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
+                         warp, tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
     elif wg == 3:
         _set_registers(AUX_REGS)
         if live:
-            _aux(storage, sQ, sK, loads, ready, products, tidx - 384, scale, num_chunks,
-                 products_layout)
+            _aux(storage, sQ, sK, loads, ready, products, tidx - 384, num_chunks, products_layout)
     else:
         _set_registers(STATE_REGS)
         _state_math(storage, sQ, sK, sV, loads, v_loads, products, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles,
-                    pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale, n, hv,
+                    pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv,
                     bos, length, num_chunks, slot, live, segment, (out_layout, products_layout),
                     HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT, SEGMENTED)
 
