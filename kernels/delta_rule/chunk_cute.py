@@ -241,11 +241,26 @@ def _view(t: cute.Tensor, row0, col0, rows: cutlass.Constexpr[int], cols: cutlas
           TRANSPOSE: cutlass.Constexpr[bool] = False) -> cute.Tensor:
     """t[row0 : row0 + rows, col0 : col0 + cols] of an fp16 [C, ROW_STRIDE] matrix in shared
     memory, or with TRANSPOSE its transpose [cols, rows] (an MMA's B operand is [N, K])."""
+    # rows and columns start at multiples of 8: 16-byte pieces, as ldmatrix reads them
+    start = t.iterator + cute.assume(row0 * ROW_STRIDE + col0, divby=8)
     if const_expr(TRANSPOSE):
-        return cute.make_tensor(t.iterator + row0 * ROW_STRIDE + col0,
-                                cute.make_layout((cols, rows), stride=(1, ROW_STRIDE)))
-    return cute.make_tensor(t.iterator + row0 * ROW_STRIDE + col0,
-                            cute.make_layout((rows, cols), stride=(ROW_STRIDE, 1)))
+        return cute.make_tensor(start, cute.make_layout((cols, rows), stride=(1, ROW_STRIDE)))
+    return cute.make_tensor(start, cute.make_layout((rows, cols), stride=(ROW_STRIDE, 1)))
+
+
+@cute.jit
+def _load_operand(src: cute.Tensor, fragment: cute.Tensor, mma: cute.TiledMma, lane: Int32,
+                  A_OPERAND: cutlass.Constexpr[bool]):
+    """An mma.sync operand fragment from fp16 shared memory by ldmatrix: A from a row-major view
+    [16, K], B from a transposed one [N, K] (ldmatrix.trans); a matrix per 8 x 8 block."""
+    k = cute.size(src.shape[1])
+    if const_expr(A_OPERAND):
+        atom = cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=False, num_matrices=4 if k >= 16 else 2), Float16)
+        copy = cute.make_tiled_copy_A(atom, mma).get_slice(lane)
+    else:
+        atom = cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=True, num_matrices=2 if k >= 16 else 1), Float16)
+        copy = cute.make_tiled_copy_B(atom, mma).get_slice(lane)
+    cute.copy(copy, copy.partition_S(src), copy.retile(fragment))
 
 
 @cute.jit
@@ -263,8 +278,8 @@ def _chain(X: cute.Tensor, Yt: cute.Tensor, Zt: cute.Tensor, sT: cute.Tensor, ro
     thr1 = mma1.get_slice(lane)
     x = mma1.make_fragment_A(thr1.partition_shape_A(X.shape))
     y = mma1.make_fragment_B(thr1.partition_shape_B(Yt.shape))
-    cute.autovec_copy(thr1.partition_A(X), x)
-    cute.autovec_copy(thr1.partition_B(Yt), y)
+    _load_operand(X, x, mma1, lane, True)
+    _load_operand(Yt, y, mma1, lane, False)
     xy = cute.make_rmem_tensor(thr1.partition_shape_C((16, n1)), Float32)
     xy.fill(0.0)
     cute.gemm(mma1, xy, x, y, xy)
@@ -273,7 +288,7 @@ def _chain(X: cute.Tensor, Yt: cute.Tensor, Zt: cute.Tensor, sT: cute.Tensor, ro
     thr2 = mma2.get_slice(lane)
     a = mma2.make_fragment_A(thr2.partition_shape_A((16, n1)))
     z = mma2.make_fragment_B(thr2.partition_shape_B(Zt.shape))
-    cute.autovec_copy(thr2.partition_B(Zt), z)
+    _load_operand(Zt, z, mma2, lane, False)
     for i in cutlass.range_constexpr(cute.size(a)):
         a[i] = Float16(-xy[i])
     acc = cute.make_rmem_tensor(thr2.partition_shape_C((16, n2)), Float32)
