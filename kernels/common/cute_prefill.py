@@ -311,9 +311,10 @@ def output_read(tid: Int32):
 def finish_chunk(accO: cute.Tensor, tOsO: cute.Tensor, accS: cute.Tensor, tSsS: cute.Tensor, sO: cute.Tensor,
                  out: cute.Tensor, thr_st, pool: cute.Tensor, checkpoint_indices: cute.Tensor,
                  checkpoint_every: Int32, num_checkpoints: Int32, n: Int32, hv: Int32, bos: Int32, j: Int32,
-                 w: Int32, L: Int32, tid: Int32, HAS_CKPT: cutlass.Constexpr[bool], store=None):
+                 w: Int32, L: Int32, tid: Int32, HAS_CKPT: cutlass.Constexpr[bool], store=None, o_copy=None):
     """After chunk j's products (waited on): its outputs in bf16 through ``sO`` (tOsO: this thread's
-    part of it in the accumulator's layout) to rows t < L, the state restaged into ``tSsS`` (None:
+    part of it in the accumulator's layout, or ``o_copy``'s partition of it: a tiled stmatrix) to
+    rows t < L, the state restaged into ``tSsS`` (None:
     the caller keeps its operand in registers), and a checkpoint where one falls. With ``store``
     (``output_store``) a full chunk goes out by one thread's TMA store, asynchronously
     (``output_read`` before sO is written again); a last, partial chunk by the threads' 16-byte
@@ -323,7 +324,10 @@ def finish_chunk(accO: cute.Tensor, tOsO: cute.Tensor, accS: cute.Tensor, tSsS: 
     out_staged = cute.make_rmem_tensor(accO.layout, BFloat16)
     for i in cutlass.range_constexpr(cute.size(accO)):
         out_staged[i] = BFloat16(accO[i])
-    cute.autovec_copy(out_staged, tOsO)
+    if const_expr(o_copy is not None):
+        cute.copy(o_copy, o_copy.retile(out_staged), tOsO)
+    else:
+        cute.autovec_copy(out_staged, tOsO)
     if const_expr(store is not None):
         cute.arch.fence_proxy("async.shared", space="cta")  # sO visible to the TMA unit
     cute.arch.barrier(barrier_id=1 + w, number_of_threads=128)  # sO written, S^T' read

@@ -487,7 +487,14 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     thr_up = mma_up.get_slice(tid)
     thr_st = mma_st.get_slice(tid)
 
-    tVsV = thr_up.partition_C(transposed(sV))                                   # V^T [v, s], as Z's elements
+    # V^T [v, s] into Z's layout, and O^T [v, t] out of it, over the [s, v] tiles: ldmatrix.trans
+    # and stmatrix.trans, four 8 x 8 blocks an instruction instead of an element
+    v_copy = cute.make_tiled_copy_C(cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                                        BFloat16), mma_up).get_slice(tid)
+    o_copy = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                                        BFloat16), mma_up).get_slice(tid)
+    tVsV = v_copy.partition_S(transposed(sV))
+    tVrV = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), BFloat16)
     tZrT = mma_up.make_fragment_B(thr_up.partition_B(sTv))                      # T' [t, s]
     tXrK = mma_up.make_fragment_B(thr_up.partition_B(sK))                       # K [s, k]
     tOrQ = mma_up.make_fragment_B(thr_up.partition_B(sQ))                       # Q [t, k]
@@ -517,7 +524,7 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
                 accS[i] = cutlass.select_(w * HALF + r == c, Float32(1.0), Float32(0.0))
     else:
         load_state(accS, thr_st, pool, has_initial_state, n, slot, hv, w, live, HAS_POOL, HAS_INIT_FLAGS)
-    tOsO = thr_up.partition_C(transposed(sO))  # O^T [v, t] over the [t, v] tile
+    tOsO = o_copy.partition_D(transposed(sO))
     store = output_store(tma_o, o_tiles, sO_both, bos, hv)
 
     if live:
@@ -542,13 +549,13 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
             gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
             decay_L = sDecay[C - 1]
-            tVsV_stage = tVsV[None, None, None, 2 * v_state.index + w]
+            cute.copy(v_copy, tVsV[None, None, None, 2 * v_state.index + w], v_copy.retile(tVrV))
             warpgroup.wait_group(0)
             # U^T = (V^T - Z) T'^T (S^T W^T without forming W), the difference as two bf16 parts
             # (hi + lo); map rows see zero values
             for i in cutlass.range_constexpr(cute.size(accX)):
                 s = cU[i][1]
-                v = Float32(tVsV_stage[i])
+                v = Float32(tVrV[i])
                 if const_expr(SEGMENTED):
                     v = cutlass.select_(maps == 0, v, Float32(0.0))
                 x = v - accX[i] * z[s]
@@ -587,13 +594,13 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             if const_expr(SEGMENTED):  # no checkpoints with segments
                 if maps != 0:
                     finish_chunk(accO, tOsO, accS, None, sO, q_carried, thr_st, pool, checkpoint_indices,
-                                 checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False)
+                                 checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False, o_copy=o_copy)
                 else:
                     finish_chunk(accO, tOsO, accS, None, sO, out, thr_st, pool, checkpoint_indices,
-                                 checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False, store)
+                                 checkpoint_every, num_checkpoints, n, hv, bos, j, w, L, tid, False, store, o_copy)
             else:
                 finish_chunk(accO, tOsO, accS, None, sO, out, thr_st, pool, checkpoint_indices, checkpoint_every,
-                             num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT, store)
+                             num_checkpoints, n, hv, bos, j, w, L, tid, HAS_CKPT, store, o_copy)
         output_read(tid)
         if const_expr(SEGMENTED):
             if (j_segment == 0) & last & (maps == 0):
