@@ -549,8 +549,9 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
             gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
             decay_L = sDecay[C - 1]
-            cute.copy(v_copy, tVsV[None, None, None, 2 * v_state.index + w], v_copy.retile(tVrV))
             warpgroup.wait_group(0)
+            # V^T only now: loaded under the products it would share the registers with S^T's copy
+            cute.copy(v_copy, tVsV[None, None, None, 2 * v_state.index + w], v_copy.retile(tVrV))
             # U^T = (V^T - Z) T'^T (S^T W^T without forming W), the difference as two bf16 parts
             # (hi + lo); map rows see zero values
             for i in cutlass.range_constexpr(cute.size(accX)):
