@@ -49,13 +49,16 @@ factors come whole from ``_combine`` and its matrices leave by stmatrix. S^T's b
 ``pin``ned before its products: conversions the compiler sank between them made ptxas wait on
 each wgmma before the next.
 
-Speed (H200, CUDA-graph replay, ns per token-head; in brackets the version with serialised
-wgmma, a tf32 solve from float32 shared memory and registers 24 / 120 / 184, same run): 4 x 8192
-0.648 (0.690), 8 x 1024 0.768 (0.819), 1 x 2048 2.48 (2.93). ncu's warp-state samples put the
-aux at about 99% busy and the state warpgroups at about 91%: the aux's scaling of P and A is
-about 38% of its samples, the solve 39%, the rest its products, stores and T'; both lose time to
-instruction-cache misses (no_inst stalls: the roles' unrolled code) and to spill reloads (long
-scoreboard stalls at LDL).
+Speed (H200, bench_serving, CUDA-graph replay, ns per token-head; in brackets the version with
+serialised wgmma, a tf32 solve from float32 shared memory and registers 24 / 120 / 184, in the
+same bench a run earlier): 4 x 8192 0.620 (0.694), 8 x 1024 0.718 (0.822), 1 x 2048 2.29 (2.96),
+with segments 1 x 32768 1.63 (1.81), TP4 1 x 8192 3.19 (3.45). ncu's warp-state samples
+(4 x 8192, before V^T's ldmatrix moved after the wait) put the aux at about 97% busy and the
+state warpgroups at about 94%. The aux: the
+scaling of P and A 39% of its samples, the solve 36% (its mma.sync often waiting for the tensor
+pipe the state's wgmma hold), T' 10%, its products, P's stores and spill reloads the rest. Both
+lose time to instruction-cache misses (no_inst stalls: the roles' unrolled code) and to spill
+reloads (long-scoreboard stalls at LDL).
 The first warp-specialised version had the aux form -W = -T'' K as well (T'' = T diag(beta
 exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192.
 Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
@@ -190,8 +193,9 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, ctid: Int32):
     the 8 x 8 ones of the 16-row blocks (a warp each), the 16 x 16 ones of the 32-row blocks (two
     warps, 8 columns each) and the lower left 32 x 32 (a warp per 16 x 16). The products run on
     the tensor cores in fp16 with float32 accumulation (``_chain``): 11 significant bits, as tf32's
-    operands have, at half the instructions. The entries of T stay far below fp16's range for
-    unit-norm keys and beta <= 1."""
+    operands have, at half the instructions. fp16's range (65504) bounds A and T: keys of large
+    norm without the in-kernel l2norm could exceed it, where the delta rule itself expands
+    (beta |k|^2 > 2); the engines' GDN layers normalise q and k in the kernel."""
     warp_id = ctid // 32
     lane = ctid % 32
     if lane < BLOCK:
