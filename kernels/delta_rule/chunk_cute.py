@@ -12,7 +12,8 @@ K-last layout):
     O^T   = (scale rq_t exp(G_t)) * (S^T Q^T) + U^T P^T,  P_ts = scale rq_t rk_s exp(G_t - G_s) q_t . k_s  (s <= t)
     S^T  <- exp(G_L-1) S^T + (U^T * (exp(G_L-1 - G_s) rk_s [s < L])) K
 
-U^T is V^T T'^T - S^T W^T with W = T diag(beta exp(G) rk) K, the WY form's, without forming W.
+U^T is V^T T'^T - S^T W^T with W = T diag(beta exp(G) rk) K, the WY form's, without forming W;
+the kernel forms it as ((V^T - Z) diag(beta)) T^T.
 With beta zero past the end, rows t >= L of A, rows and columns t >= L of T', and so columns
 t >= L of U^T are exactly zero: the next sequence's tokens that fill the chunk's tail (or TMA's
 zeros past the tensor) change nothing.
@@ -28,18 +29,20 @@ products (A, P, the solve) overlap the previous chunk's state chain:
   and P, one multiplication per element of Z, U and O);
 - warpgroup 3, the aux, a chunk ahead (``_aux``): P = Q K^T and A = K K^T (wgmma), scaled;
   T = (I + A)^-1 (``_invert``: 8 x 8 diagonal blocks by forward substitution in float32, then
-  three doublings on the tensor cores in fp16) and T' in bf16. P and T' go to one of
-  PRODUCT_STAGES buffers;
+  three doublings on the tensor cores in fp16), solved in place in one of PRODUCT_STAGES fp16
+  buffers that the state reads as is; P goes to the same stage of a bf16 buffer;
 - warpgroups 1 and 2, the state (``_state_math``), each owning V / 2 = 64 state rows S^T [64 v, K]
   in float32 wgmma accumulators for the whole sequence, S^T in bf16 registers as the products'
-  A operand. Per chunk: S^T K^T and O^T = S^T Q^T, then U^T = (V^T - Z) T'^T with V^T - Z from
-  registers, then O^T += U^T P^T and the state update with U^T from registers, the output
-  through shared memory by TMA store.
-V^T - Z and the state update's U^T go in as two bf16 parts each (hi + lo: 16 bits of mantissa),
-as Lightning's state update does: the state carries its error across chunks. T', S^T (in S K^T
-and S Q^T) and P are bf16 operands, as W, S^T and P are in FLA's pipeline; the accumulations are
-float32. Relative error against the float64 oracle at the model shapes: 3.6e-3 (Triton's kernel
-2.7e-3, FLA 4.7e-3; the bf16 tolerance is 5e-3); V^T - Z as one bf16 part gave 4.0e-3.
+  A operand. Per chunk: S^T K^T and O^T = S^T Q^T, then U^T = ((V^T - Z) diag(beta)) T^T with
+  the left factor from registers, then O^T += U^T P^T and the state update with U^T from
+  registers, the output through shared memory by TMA store.
+(V^T - Z) diag(beta) and T are fp16 operands (11 significant bits; their values must stay within
+fp16's 65504); the state update's U^T goes in as two bf16 parts (hi + lo: 16 bits of mantissa),
+as Lightning's does: the state carries its error across chunks. S^T (in S K^T and S Q^T) and P
+are bf16 operands, as S^T and P are in FLA's pipeline; the accumulations are float32. Relative
+error against the float64 oracle at the model shapes: 3.2e-3 (Triton's kernel 2.7e-3, FLA
+4.7e-3; the bf16 tolerance is 5e-3). With T' = T diag(beta) in bf16 against V^T - Z in two bf16
+parts it was 3.6e-3, with V^T - Z in one bf16 part 4.0e-3.
 
 Registers: 24 / 104 / 192 per thread for loads / aux / state. With fewer than 192 the state's
 products do not fit ptxas's wgmma pipeline and it serialises every wgmma of the kernel (a wait
@@ -51,10 +54,10 @@ each wgmma before the next.
 
 Speed (H200, bench_serving, CUDA-graph replay, ns per token-head; in brackets the version with
 serialised wgmma, a tf32 solve from float32 shared memory and registers 24 / 120 / 184, in the
-same bench a run earlier): 4 x 8192 0.620 (0.694), 8 x 1024 0.718 (0.822), 1 x 2048 2.29 (2.96),
-with segments 1 x 32768 1.63 (1.81), TP4 1 x 8192 3.19 (3.45). ncu's warp-state samples
-(4 x 8192, before V^T's ldmatrix moved after the wait) put the aux at about 97% busy and the
-state warpgroups at about 94%. The aux: the
+same bench a run earlier): 4 x 8192 0.584 (0.694), 8 x 1024 0.681 (0.822), 1 x 2048 2.15 (2.96),
+with segments 1 x 32768 1.63 (1.81), TP4 1 x 8192 3.09 (3.45). ncu's warp-state samples
+(4 x 8192, at 0.620, when the aux still formed T' in bf16 and V^T was loaded under S^T's
+products) put the aux at about 97% busy and the state warpgroups at about 94%. The aux: the
 scaling of P and A 39% of its samples, the solve 36% (its mma.sync often waiting for the tensor
 pipe the state's wgmma hold), T' 10%, its products, P's stores and spill reloads the rest. Both
 lose time to instruction-cache misses (no_inst stalls: the roles' unrolled code) and to spill
@@ -108,13 +111,13 @@ from ..common.prep import Recipe
 from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid
 
 BLOCK = 16  # rows of an mma.sync tile in the solve, and of the diagonal blocks its first doubling makes
-# fp16 row stride of A and T in shared memory: 144 bytes, so that the 16-byte pieces of 8
-# consecutive rows fall in distinct banks
+# fp16 row stride of A in shared memory: 144 bytes, so that the 16-byte pieces of 8 consecutive
+# rows fall in distinct banks (T is in the swizzled layout the state's wgmma reads)
 ROW_STRIDE = C + 8
 GDN_THREADS = 512  # the load warpgroup, two state warpgroups, the aux warpgroup
 QK_STAGES = 3  # q / k tiles in flight: a chunk's are read from the aux's turn to the end of the state's
 V_STAGES = 2
-PRODUCT_STAGES = 2  # P and T' buffers: the aux writes the next chunk's while the state warpgroups read this one's
+PRODUCT_STAGES = 2  # P and T buffers: the aux writes the next chunk's while the state warpgroups read this one's
 VECTORS = 12  # per-row float32 vectors of a chunk (``_vectors``)
 # registers per thread: 65536 over the four warpgroups, each starting with LAUNCH_REGS (aux 136 /
 # state 176 and 152 / 168 measured within 2% of these, either way by shape)
@@ -206,17 +209,14 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, ctid: Int32):
         # entering through its column of A (zero on and above the diagonal)
         rows = cute.make_rmem_tensor(cute.make_layout((8, 8), stride=(8, 1)), Float16)
         for i in cutlass.range_constexpr(8):
-            cute.autovec_copy(cute.make_tensor(sA.iterator + (base + i) * ROW_STRIDE + base, cute.make_layout(8)),
-                              rows[i, None])
-        column_A = cute.make_tensor(sA.iterator + base * ROW_STRIDE + c, cute.make_layout(8, stride=ROW_STRIDE))
-        column_T = cute.make_tensor(sT.iterator + base * ROW_STRIDE + c, cute.make_layout(8, stride=ROW_STRIDE))
-        x = [-Float32(column_A[i]) for i in range(8)]
+            cute.autovec_copy(cute.local_tile(sA[base + i, None], (8,), (base // 8,)), rows[i, None])
+        x = [-Float32(sA[base + i, c]) for i in range(8)]
         for m in cutlass.range_constexpr(8):
             for i in cutlass.range_constexpr(m + 1, 8):
                 x[i] = x[i] - Float32(rows[i, m]) * x[m]
         for i in cutlass.range_constexpr(1, 8):
             if i > d:
-                column_T[i] = Float16(x[i])
+                sT[base + i, c] = Float16(x[i])
     cute.arch.sync_warp()
     corner = BLOCK * warp_id
     # 16-row blocks: R = corner + 8 .. + 15, C = corner .. + 7, as rows 8 .. 15 of a 16-row
@@ -243,13 +243,13 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, ctid: Int32):
 @cute.jit
 def _view(t: cute.Tensor, row0, col0, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
           TRANSPOSE: cutlass.Constexpr[bool] = False) -> cute.Tensor:
-    """t[row0 : row0 + rows, col0 : col0 + cols] of an fp16 [C, ROW_STRIDE] matrix in shared
-    memory, or with TRANSPOSE its transpose [cols, rows] (an MMA's B operand is [N, K])."""
-    # rows and columns start at multiples of 8: 16-byte pieces, as ldmatrix reads them
-    start = t.iterator + cute.assume(row0 * ROW_STRIDE + col0, divby=8)
+    """t[row0 : row0 + rows, col0 : col0 + cols] of an fp16 [C, C] matrix in shared memory (row0
+    a multiple of rows, col0 of cols), or with TRANSPOSE its transpose [cols, rows] (an MMA's B
+    operand is [N, K])."""
+    block = cute.local_tile(t, (rows, cols), (row0 // rows, col0 // cols))
     if const_expr(TRANSPOSE):
-        return cute.make_tensor(start, cute.make_layout((cols, rows), stride=(1, ROW_STRIDE)))
-    return cute.make_tensor(start, cute.make_layout((rows, cols), stride=(ROW_STRIDE, 1)))
+        return transposed(block)
+    return block
 
 
 @cute.jit
@@ -305,8 +305,7 @@ def _chain(X: cute.Tensor, Yt: cute.Tensor, Zt: cute.Tensor, sT: cute.Tensor, ro
             pair = cute.make_rmem_tensor(cute.make_layout(2), Float16)
             pair[0] = Float16(acc[2 * i])
             pair[1] = Float16(acc[2 * i + 1])
-            cute.autovec_copy(pair, cute.make_tensor(sT.iterator + (row0 + r) * ROW_STRIDE + col0 + c,
-                                                     cute.make_layout(2)))
+            cute.autovec_copy(pair, cute.local_tile(sT[row0 + r, None], (2,), ((col0 + c) // 2,)))
 
 
 @cute.jit
@@ -382,12 +381,12 @@ def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Te
 def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid: Int32, num_chunks: Int32,
          products_layout: cutlass.Constexpr):
     """The aux warpgroup, a chunk ahead of the state warpgroups: per chunk P = Q K^T and A = K K^T
-    (wgmma), scaled by the gates and norms (A in fp16), then T = (I + A)^-1 (``_invert``) and
-    T' = T diag(beta) in bf16. P and T' go to the chunk's slot of ``products``."""
+    (wgmma), scaled by the gates and norms (A in fp16), then T = (I + A)^-1 (``_invert``) in fp16,
+    solved in place in the chunk's slot of ``products`` (the state takes beta on its side); P
+    goes to the same slot of the bf16 buffer."""
     sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
-    sTv = storage.sTv.get_tensor(products_layout.outer, swizzle=products_layout.inner)
+    sT = storage.sT.get_tensor(products_layout.outer, swizzle=products_layout.inner)
     sA = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
-    sT = cute.make_tensor(storage.sT.data_ptr(), cute.make_layout((C, C), stride=(ROW_STRIDE, 1)))
 
     K_ = warpgroup.OperandMajorMode.K
     mma_ss = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (C, C))
@@ -405,19 +404,15 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
                                                         BFloat16), mma_ss).get_slice(tid)
     a_copy = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                                         Float16), mma_ss).get_slice(tid)
-    t_copy = cute.make_tiled_copy_C(cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                                        Float16), mma_ss).get_slice(tid)
     tPsP = p_copy.partition_D(sP)
-    tPsTv = p_copy.partition_D(sTv)
     tAsA = a_copy.partition_D(sA)
-    tTsT = t_copy.partition_S(sT)
     p_staged = cute.make_rmem_tensor(accP.layout, BFloat16)
     a_staged = cute.make_rmem_tensor(accA.layout, Float16)
-    t_staged = cute.make_rmem_tensor(accA.layout, Float16)
 
     # T's diagonal and upper part: the identity, for good (the solve writes below the diagonal)
     for e in cutlass.range(tid, C * C, 128, unroll=1):
-        sT[e // C, e % C] = Float16(cutlass.select_(e // C == e % C, Float32(1.0), Float32(0.0)))
+        for b in cutlass.range_constexpr(PRODUCT_STAGES):
+            sT[e // C, e % C, b] = Float16(cutlass.select_(e // C == e % C, Float32(1.0), Float32(0.0)))
     cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
 
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
@@ -430,7 +425,7 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
         gemm(mma_ss, accA, tXrK[None, None, None, stage], tXrKb[None, None, None, stage], False)
         ready.consumer_wait(state)
         vectors = _vectors(storage, stage)
-        sB, column, p_row, a_row = vectors[1], vectors[6], vectors[7], vectors[8]
+        column, p_row, a_row = vectors[6], vectors[7], vectors[8]
         warpgroup.wait_group(1)  # P's product: its scaling and stores while A's runs
         for i in cutlass.range_constexpr(cute.size(accP)):
             t, s = cX[i]
@@ -447,14 +442,10 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
         cute.copy(a_copy, a_copy.retile(a_staged), tAsA)
         cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # A written
 
-        _invert(sA, sT, tid)
-        cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # T written
-        cute.copy(t_copy, tTsT, t_copy.retile(t_staged))
-        for i in cutlass.range_constexpr(cute.size(t_staged)):
-            p_staged[i] = BFloat16(Float32(t_staged[i]) * sB[cX[i][1]])
-        cute.copy(p_copy, p_copy.retile(p_staged), tPsTv[None, None, None, out.index])
-        cute.arch.fence_proxy("async.shared", space="cta")  # P and T' visible to the state's wgmma
+        _invert(sA, sT[None, None, out.index], tid)
+        cute.arch.fence_proxy("async.shared", space="cta")  # P and T visible to the state's wgmma
         products.producer_commit(out)
+        cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # A read: the next chunk's may be written
         state.advance()
         out.advance()
 
@@ -479,7 +470,7 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     sO_both = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)
     sO = sO_both[None, None, w]
     sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
-    sTv = storage.sTv.get_tensor(products_layout.outer, swizzle=products_layout.inner)
+    sT = storage.sT.get_tensor(products_layout.outer, swizzle=products_layout.inner)
 
     K_ = warpgroup.OperandMajorMode.K
     MN = warpgroup.OperandMajorMode.MN
@@ -488,7 +479,11 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
                                                a_source=RMEM)
     mma_st = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (HALF, HEAD_DIM),
                                                a_source=RMEM)
+    # U^T = ((V^T - Z) diag(beta)) T^T with T as the aux leaves it, in fp16
+    mma_u = sm90_utils.make_trivial_tiled_mma(Float16, Float16, K_, K_, Float32, (1, 1, 1), (HALF, C),
+                                              a_source=RMEM)
     thr_up = mma_up.get_slice(tid)
+    thr_u = mma_u.get_slice(tid)
     thr_st = mma_st.get_slice(tid)
 
     # V^T [v, s] into Z's layout, and O^T [v, t] out of it, over the [s, v] tiles: ldmatrix.trans
@@ -499,7 +494,7 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
                                                         BFloat16), mma_up).get_slice(tid)
     tVsV = v_copy.partition_S(transposed(sV))
     tVrV = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), BFloat16)
-    tZrT = mma_up.make_fragment_B(thr_up.partition_B(sTv))                      # T' [t, s]
+    tZrT = mma_u.make_fragment_B(thr_u.partition_B(sT))                         # T [t, s]
     tXrK = mma_up.make_fragment_B(thr_up.partition_B(sK))                       # K [s, k]
     tOrQ = mma_up.make_fragment_B(thr_up.partition_B(sQ))                       # Q [t, k]
     tOrP = mma_up.make_fragment_B(thr_up.partition_B(sP))                       # P [t, s]
@@ -511,8 +506,7 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     # S^T in bf16 as the register A operand (the accumulator's layout is the operand's)
     tUrS = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, HEAD_DIM)))
     tUrU = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
-    tUrZ = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
-    tUrZ_lo = mma_up.make_fragment_A(thr_up.partition_shape_A((HALF, C)))
+    tUrZ = mma_u.make_fragment_A(thr_u.partition_shape_A((HALF, C)))
     tSrU_hi = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
     tSrU_lo = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
     cU = thr_up.partition_C(cute.make_identity_tensor((HALF, C)))  # (row, column) of each element
@@ -546,7 +540,7 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             v_loads.consumer_wait(v_state)
             stage = state.index
             vectors = _vectors(storage, stage)
-            sDecay, z, u, o = vectors[2], vectors[9], vectors[10], vectors[11]
+            sB, sDecay, z, u, o = vectors[1], vectors[2], vectors[9], vectors[10], vectors[11]
 
             # Z = (S^T K^T) diag(exp(G) rk) and the output's S^T Q^T, the only products of S^T's bf16 copy
             warpgroup.fence()
@@ -556,21 +550,16 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             warpgroup.wait_group(0)
             # V^T only now: loaded under the products it would share the registers with S^T's copy
             cute.copy(v_copy, tVsV[None, None, None, 2 * v_state.index + w], v_copy.retile(tVrV))
-            # U^T = (V^T - Z) T'^T (S^T W^T without forming W), the difference as two bf16 parts
-            # (hi + lo); map rows see zero values
+            # U^T = ((V^T - Z) diag(beta)) T^T (S^T W^T without forming W); map rows see zero values
             for i in cutlass.range_constexpr(cute.size(accX)):
                 s = cU[i][1]
                 v = Float32(tVrV[i])
                 if const_expr(SEGMENTED):
                     v = cutlass.select_(maps == 0, v, Float32(0.0))
-                x = v - accX[i] * z[s]
-                hi = BFloat16(x)
-                tUrZ[i] = hi
-                tUrZ_lo[i] = BFloat16(x - Float32(hi))
+                tUrZ[i] = Float16((v - accX[i] * z[s]) * sB[s])
             v_loads.consumer_release(v_state)
             warpgroup.fence()
-            gemm(mma_up, accU, tUrZ, tZrT[None, None, None, chunk.index], False)
-            gemm(mma_up, accU, tUrZ_lo, tZrT[None, None, None, chunk.index], True)
+            gemm(mma_u, accU, tUrZ, tZrT[None, None, None, chunk.index], False)
             for i in cutlass.range_constexpr(cute.size(accO)):
                 t = cU[i][1]
                 accO[i] = accO[i] * o[t]
@@ -668,7 +657,7 @@ def _gdn_kernel(
     tile_layout = kmajor(C, HEAD_DIM, QK_STAGES)
     v_layout = kmajor(C, HALF, 2 * V_STAGES)  # stage s holds v's column halves at 2 s and 2 s + 1
     out_layout = kmajor(C, HALF, 2)  # one output tile per state warpgroup
-    products_layout = kmajor(C, C, PRODUCT_STAGES)  # P, T'
+    products_layout = kmajor(C, C, PRODUCT_STAGES)  # P (bf16), T (fp16: the same 16-bit layout)
 
     @cute.struct
     class Shared:
@@ -678,9 +667,8 @@ def _gdn_kernel(
         sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(v_layout)], 1024]
         sO: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(out_layout)], 1024]
         sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(products_layout)], 1024]
-        sTv: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(products_layout)], 1024]
         sA: cute.struct.Align[cute.struct.MemRange[Float16, C * ROW_STRIDE], 16]
-        sT: cute.struct.Align[cute.struct.MemRange[Float16, C * ROW_STRIDE], 16]
+        sT: cute.struct.Align[cute.struct.MemRange[Float16, cute.cosize(products_layout)], 1024]
         vectors: cute.struct.Align[cute.struct.MemRange[Float32, QK_STAGES * VECTORS * C], 16]
 
     storage = cutlass.utils.SmemAllocator().allocate(Shared)
