@@ -314,8 +314,8 @@ def finish_chunk(accO: cute.Tensor, tOsO: cute.Tensor, accS: cute.Tensor, tSsS: 
                  w: Int32, L: Int32, tid: Int32, HAS_CKPT: cutlass.Constexpr[bool], store=None, o_copy=None):
     """After chunk j's products (waited on): its outputs in bf16 through ``sO`` (tOsO: this thread's
     part of it in the accumulator's layout, or ``o_copy``'s partition of it: a tiled stmatrix) to
-    rows t < L, the state restaged into ``tSsS`` (None:
-    the caller keeps its operand in registers), and a checkpoint where one falls. With ``store``
+    rows t < L, the state restaged into ``tSsS`` (None: the caller keeps its operand in
+    registers), and a checkpoint where one falls. With ``store``
     (``output_store``) a full chunk goes out by one thread's TMA store, asynchronously
     (``output_read`` before sO is written again); a last, partial chunk by the threads' 16-byte
     stores of its valid rows (the rows after them are another sequence's). Against the threads'
