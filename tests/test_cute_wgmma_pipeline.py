@@ -1,0 +1,56 @@
+"""The CuTe DSL GDN prefill keeps its wgmma pipelined: compiled for SM90 on the CPU (where
+nvidia-cutlass-dsl and triton's cuobjdump are installed), the SASS must not wait on every wgmma.
+
+ptxas serialises every wgmma of a kernel (a ``WARPGROUP.DEPBAR`` after each ``HGMMA``) when one
+warpgroup's registers cannot hold its wgmma pipeline ("C7512 ... serialized due to insufficient
+register resources"); GDN's state warpgroups at 184 registers did, with no change in results
+(BENCHMARKS, 2026-11-26: what unserialising them took). Only a compile shows it."""
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+_COMPILE = """
+import sys, torch
+from cula_serve.kernels.common import cute_prefill
+from cula_serve.kernels.delta_rule import chunk_cute, recurrent_cute
+
+f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
+H, HV, D = 16, 32, 128
+dtypes = (bf16, bf16, bf16, bf16, f32, f32, f32, f32, f32, i32, i32, torch.bool, i32, f32, bf16)
+constexprs = (("STRIDES", (H * D, D, H * D, D, HV * D, D, HV * D, D, HV * D * D, D * D)),
+              ("GATE_STRIDES", (HV, 1, HV, 1)), ("H", H), ("HV", HV), ("QK_L2NORM", True),
+              ("GATE", recurrent_cute.GATE_SOFTPLUS), ("HAS_DT_BIAS", True), ("BETA_LOGITS", True),
+              ("HAS_SLOTS", True), ("HAS_POOL", True), ("HAS_INIT_FLAGS", True), ("HAS_CKPT", False),
+              ("SEGMENTED", sys.argv[1] == "1"))
+cute_prefill._compiled(chunk_cute._launch, chunk_cute._POINTERS, dtypes, constexprs, 1)
+print("ok")
+"""
+
+
+def _cuobjdump():
+    triton = pytest.importorskip("triton")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        pytest.skip("no cuobjdump beside triton")
+    return path
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented"])
+def test_gdn_prefill_wgmma_is_not_serialised(tmp_path, segmented):
+    pytest.importorskip("cutlass")
+    cuobjdump = _cuobjdump()
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "cubin", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", _COMPILE, "1" if segmented else "0"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    (cubin,) = glob.glob(str(tmp_path / "*.cubin"))
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    events = "".join("G" if "HGMMA" in line else "W"
+                     for line in sass.splitlines() if re.search(r"HGMMA|WARPGROUP\.DEPBAR", line))
+    issues, waits = events.count("G"), events.count("W")
+    # 48 wgmma a chunk (the aux's 16, the state's 32), waited on once per product group
+    assert issues >= 48 and waits <= issues // 4, f"wgmma serialised: {events}"
