@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from cula_serve.kernels.common.cute_launch import FastLaunch, runtime_cell_types
+from cute_sm90 import GDN_PREFILL
 
 
 def _launcher(q_ptr, n, stride, scale, stream, BLOCK):
@@ -85,22 +86,10 @@ def test_a_configuration_that_marshals_otherwise_keeps_the_dsl_path(widths):
     assert launch.fast is False and not compiled.runs and len(compiled.calls) == 2
 
 
-_REAL_LAUNCHERS = """
-import torch
+_REAL_LAUNCHERS = "SEGMENTED = True\n" + GDN_PREFILL + """
 import cuda.bindings.driver as cuda
-from cula_serve.kernels.common import cute_prefill
-from cula_serve.kernels.delta_rule import chunk_cute, recurrent_cute
 
-f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
 stream = 0x5555AAAA0000
-H, HV, D = 16, 32, 128
-dtypes = (bf16, bf16, bf16, bf16, f32, f32, f32, f32, f32, i32, i32, torch.bool, i32, f32, bf16)
-constexprs = (("STRIDES", (H * D, D, H * D, D, HV * D, D, HV * D, D, HV * D * D, D * D)),
-              ("GATE_STRIDES", (HV, 1, HV, 1)), ("H", H), ("HV", HV), ("QK_L2NORM", True),
-              ("GATE", recurrent_cute.GATE_SOFTPLUS), ("HAS_DT_BIAS", True), ("BETA_LOGITS", True),
-              ("HAS_SLOTS", True), ("HAS_POOL", True), ("HAS_INIT_FLAGS", True), ("HAS_CKPT", False),
-              ("SEGMENTED", True))
-launch = cute_prefill._compiled(chunk_cute._launch, chunk_cute._POINTERS, dtypes, constexprs, 1)
 addresses = [0x7F0000001000 + 4096 * i for i in range(len(dtypes))]
 addresses[8] = 0  # an absent tensor
 scalars = [123456, 7, 99, 3, 128, 5, 0.0883883, 512]

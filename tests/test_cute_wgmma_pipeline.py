@@ -13,22 +13,9 @@ import sys
 
 import pytest
 
-_COMPILE = """
-import sys, torch
-from cula_serve.kernels.common import cute_prefill
-from cula_serve.kernels.delta_rule import chunk_cute, recurrent_cute
+from cute_sm90 import GDN_PREFILL
 
-f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
-H, HV, D = 16, 32, 128
-dtypes = (bf16, bf16, bf16, bf16, f32, f32, f32, f32, f32, i32, i32, torch.bool, i32, f32, bf16)
-constexprs = (("STRIDES", (H * D, D, H * D, D, HV * D, D, HV * D, D, HV * D * D, D * D)),
-              ("GATE_STRIDES", (HV, 1, HV, 1)), ("H", H), ("HV", HV), ("QK_L2NORM", True),
-              ("GATE", recurrent_cute.GATE_SOFTPLUS), ("HAS_DT_BIAS", True), ("BETA_LOGITS", True),
-              ("HAS_SLOTS", True), ("HAS_POOL", True), ("HAS_INIT_FLAGS", True), ("HAS_CKPT", False),
-              ("SEGMENTED", sys.argv[1] == "1"))
-cute_prefill._compiled(chunk_cute._launch, chunk_cute._POINTERS, dtypes, constexprs, 1)
-print("ok")
-"""
+_COMPILE = "import sys\nSEGMENTED = sys.argv[1] == '1'\n" + GDN_PREFILL + "print('ok')\n"
 
 
 def _cuobjdump():

@@ -1,0 +1,19 @@
+"""Source for a fresh process that compiles the GDN CuTe DSL prefill for SM90 on the CPU (the DSL
+reads its target at import): a model-shaped call's dtypes and compile-time arguments, SEGMENTED
+set before this source runs, then ``launch``."""
+
+GDN_PREFILL = """
+import torch
+from cula_serve.kernels.common import cute_prefill
+from cula_serve.kernels.delta_rule import chunk_cute, recurrent_cute
+
+f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
+H, HV, D = 16, 32, 128
+dtypes = (bf16, bf16, bf16, bf16, f32, f32, f32, f32, f32, i32, i32, torch.bool, i32, f32, bf16)
+constexprs = (("STRIDES", (H * D, D, H * D, D, HV * D, D, HV * D, D, HV * D * D, D * D)),
+              ("GATE_STRIDES", (HV, 1, HV, 1)), ("H", H), ("HV", HV), ("QK_L2NORM", True),
+              ("GATE", recurrent_cute.GATE_SOFTPLUS), ("HAS_DT_BIAS", True), ("BETA_LOGITS", True),
+              ("HAS_SLOTS", True), ("HAS_POOL", True), ("HAS_INIT_FLAGS", True), ("HAS_CKPT", False),
+              ("SEGMENTED", SEGMENTED))
+launch = cute_prefill._compiled(chunk_cute._launch, chunk_cute._POINTERS, dtypes, constexprs, 1)
+"""
