@@ -449,15 +449,17 @@ def test_lightning_composition_in_blocks_of_four(generator):
     assert_same_writes(pool, ref_pool, 1e-5)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_one_pass_segments_compose_and_correct(state_dtype, generator):
+@pytest.mark.parametrize("state_dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                   (torch.float32, torch.bfloat16)])
+def test_one_pass_segments_compose_and_correct(state_dtype, out_dtype, generator):
     """In-card segments as the CuTe DSL GDN prefill runs them, in one state pass: each segment on
     its own (value rows from the pool in a sequence's first segment, else from zeros; K map rows
     from the identity, ``map_columns``), here by the triton prefill; then
     ``compose_initial_states(final_pool=...)`` writes the final states and
     ``correct_segment_outputs`` adds q~ S. Against the oracle on the whole batch: sequences of
     300, 0 (no initial state: its slot still gets zeros), 1, 200 (padding) and 130 tokens in
-    segments of 128; permuted slots; out NaN-poisoned where no segment writes."""
+    segments of 128; permuted slots; out NaN-poisoned where no segment writes. bf16 outputs and
+    carried queries, as the CuTe DSL kernel writes them, take the correction's bf16 products."""
     from cula_serve.kernels.common.affine_output import correct_segment_outputs
     from cula_serve.kernels.common.segments import compose_initial_states, num_segment_ids
 
@@ -494,8 +496,9 @@ def test_one_pass_segments_compose_and_correct(state_dtype, generator):
             sid += 1
     initial = torch.full((transitions.shape[0], HV, V, K), float("nan"))
     compose_initial_states(cu, call["state_indices"], transitions, initial, tokens=tokens, V=V, final_pool=pool)
+    carried, out = carried.to(out_dtype), out.to(out_dtype)  # as the CuTe DSL kernel leaves them, for bf16
     correct_segment_outputs(cu, call["state_indices"], carried, initial, out, tokens=tokens)
-    tol = tolerance(torch.float32, state_dtype)
+    tol = tolerance(out_dtype, state_dtype)
     assert_close(out, ref_o, tol)
     assert_same_writes(pool, ref_pool, tol)
 

@@ -23,6 +23,11 @@ from .segments import num_segment_ids, segment_span
 
 _BLOCK_TOKENS = 64
 _TILES_PER_PROGRAM = 8  # token tiles per program: S is loaded once for all of them
+# ``correct_segment_outputs``'s launch: BT-row tiles, TILES of them a program. H200, graph replay, L2
+# flushed: 32 value heads, one 16384-token segment 194 us (eight tiles 180; 64-row tf32x3 tiles
+# before: 421); 8 heads, seven 1024-token segments 30 us (eight tiles 43; before: 60): four keep
+# more programs on the SMs where segments are short
+SEGMENT_OUTPUT_LAUNCH = dict(BT=128, TILES=4, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -95,9 +100,12 @@ def correct_outputs(widened: torch.Tensor, state: torch.Tensor, out: torch.Tenso
 def _segment_output_kernel(out, carried, initial, cu_seqlens, state_indices, num_seqs, tokens, groups,
                            s_ot, s_oh, s_ct, s_ch, s_in, s_ih, s_iv,
                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TILES: tl.constexpr,
-                           HAS_SLOTS: tl.constexpr):
+                           SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Program (segment id x token group, value head): out[t] += q~[t] S for the TILES x BT tokens
-    of its group, where the segment continues a live sequence (S its composed initial state)."""
+    of its group, where the segment continues a live sequence (S its composed initial state).
+    SPLIT (bf16 q~): S as two bf16 parts, split once per program, two bf16 products a tile
+    (16 bits of S's mantissa, where the output keeps 8); else one tf32x3 product (float32
+    accuracy)."""
     sid = tl.program_id(0) // groups
     group = tl.program_id(0) % groups
     hv = tl.program_id(1)
@@ -108,6 +116,8 @@ def _segment_output_kernel(out, carried, initial, cu_seqlens, state_indices, num
         ks = tl.arange(0, K)
         vs = tl.arange(0, V)
         S = tl.load(initial + sid.to(tl.int64) * s_in + hv * s_ih + vs[None, :] * s_iv + ks[:, None])
+        S_hi = S.to(tl.bfloat16)
+        S_lo = (S - S_hi.to(tl.float32)).to(tl.bfloat16)
         rows = tl.arange(0, BT)
         for i in range(TILES):
             t = bos + (group * TILES + i) * BT + rows
@@ -115,7 +125,11 @@ def _segment_output_kernel(out, carried, initial, cu_seqlens, state_indices, num
             dst = out + t[:, None] * s_ot + hv * s_oh + vs[None, :]
             o0 = tl.load(dst, mask=keep, other=0.0).to(tl.float32)
             q = tl.load(carried + t[:, None] * s_ct + hv * s_ch + ks[None, :], mask=keep, other=0.0)
-            tl.store(dst, _add_carried(o0, q, S, "tf32x3").to(out.dtype.element_ty), mask=keep)
+            if SPLIT:
+                o = tl.dot(q, S_lo, tl.dot(q, S_hi, o0))
+            else:
+                o = _add_carried(o0, q, S, "tf32x3")
+            tl.store(dst, o.to(out.dtype.element_ty), mask=keep)
 
 
 def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *, tokens: int) -> torch.Tensor:
@@ -126,16 +140,20 @@ def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *,
     cu_seqlens: int32 [N + 1]; state_indices: int32 [N] or None (negative: padding, skipped);
     carried: [T, HV, K] (bf16) the map rows' outputs, read at those segments' tokens;
     initial: float32 [segment ids, HV, V, K] (K-last), from ``segments.compose_initial_states``;
-    out: [T, HV, V], rows contiguous, holding o0 there; corrected in place (float32 accuracy).
+    out: [T, HV, V], rows contiguous, holding o0 there; corrected in place: with bf16 q~ by two bf16
+    products against S's two bf16 parts (16 bits of its mantissa, twice what a bf16 output keeps),
+    else with float32 accuracy (tf32x3).
     """
     T, HV, V = out.shape
     K = carried.shape[-1]
     N = cu_seqlens.shape[0] - 1
     num_ids = num_segment_ids(T, N, tokens)
-    groups = triton.cdiv(tokens, _BLOCK_TOKENS * _TILES_PER_PROGRAM)
+    launch = SEGMENT_OUTPUT_LAUNCH
+    groups = triton.cdiv(tokens, launch["BT"] * launch["TILES"])
     _segment_output_kernel[(num_ids * groups, HV)](
         out, carried, initial, cu_seqlens, state_indices if state_indices is not None else cu_seqlens, N, tokens,
         groups, out.stride(0), out.stride(1), carried.stride(0), carried.stride(1), initial.stride(0),
-        initial.stride(1), initial.stride(2), K=K, V=V, BT=_BLOCK_TOKENS, TILES=_TILES_PER_PROGRAM,
-        HAS_SLOTS=state_indices is not None, num_warps=8)
+        initial.stride(1), initial.stride(2), K=K, V=V, BT=launch["BT"], TILES=launch["TILES"],
+        SPLIT=carried.dtype == torch.bfloat16, HAS_SLOTS=state_indices is not None, num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"])
     return out

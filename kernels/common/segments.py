@@ -56,6 +56,11 @@ from .varlen import SEQ_BLOCK, locate_pieces, max_chunks, piece_counts
 
 # below this mean length the segmented pass's two more launches cost more host time than they save
 MIN_SEQUENCE_TOKENS = 4096
+# the delta rule's composition launch: rows of X a program, warps, pipelined loads. H200, graph replay,
+# L2 flushed: a TP4 shard (8 heads, eight 1024-token segments) 62 -> 26 us against 32 rows, 4 warps
+# and one stage (the loads of A_j then waited in each step), 32 heads in two segments 18 -> 16 us.
+# 64 rows in three stages asked for 320 KB of shared memory
+COMPOSE_LAUNCH = dict(BV=16, num_warps=8, num_stages=3)
 
 
 def sm_count(device) -> int:
@@ -242,20 +247,20 @@ def _compose_kernel(cu_seqlens, state_indices, transitions, initial, tokens, poo
         rows = vo[:, None] * s_tv + ko[None, :]
         X = tl.load(transitions + sid * s_tn + rows, mask=vmask, other=0.0)  # D_0: from the pool state
         tl.store(initial + (sid + 1) * s_in + vo[:, None] * s_iv + ko[None, :], X, mask=vmask)
+        # no load depends on the chain, so the loop pipelines them ahead of its products
         for j in range(1, count - 1 + FINAL):
             base = transitions + (sid + j) * s_tn
             D = tl.load(base + rows, mask=vmask, other=0.0)
             A_t = tl.load(base + (V + ko)[:, None] * s_tv + ko[None, :])  # [K, K]: A_j^T
             X = tl.dot(X, A_t, input_precision="tf32x3") + D
-            if j < count - 1:
-                tl.store(initial + (sid + j + 1) * s_in + vo[:, None] * s_iv + ko[None, :], X, mask=vmask)
-            else:  # FINAL
-                if HAS_SLOTS:
-                    slot = tl.load(state_indices + n).to(tl.int64)
-                else:
-                    slot = n.to(tl.int64)
-                tl.store(pool + slot * s_ps + hv * s_ph + vo[:, None] * s_pv + ko[None, :],
-                         X.to(pool.dtype.element_ty), mask=vmask)
+            tl.store(initial + (sid + j + 1) * s_in + vo[:, None] * s_iv + ko[None, :], X, mask=vmask & (j < count - 1))
+        if FINAL:
+            if HAS_SLOTS:
+                slot = tl.load(state_indices + n).to(tl.int64)
+            else:
+                slot = n.to(tl.int64)
+            tl.store(pool + slot * s_ps + hv * s_ph + vo[:, None] * s_pv + ko[None, :], X.to(pool.dtype.element_ty),
+                     mask=vmask)
 
 
 @triton.jit
@@ -324,9 +329,7 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
             initial.stride(0), initial.stride(1), initial.stride(2),
             K=K, V=V, BV=BV, HAS_SLOTS=state_indices is not None, num_warps=4)
         return initial
-    # one stage, 32 rows: the float32 [K, K] map and its tf32x3 halves fill shared memory alone
-    # (three pipelined stages at 64 rows asked for 320 KB on an H200)
-    BV = min(V, 32)
+    BV = min(V, COMPOSE_LAUNCH["BV"])
     final = final_pool is not None
     _compose_kernel[(N, HV, triton.cdiv(V, BV))](
         cu_seqlens, state_indices if state_indices is not None else cu_seqlens, transitions, initial,
@@ -334,5 +337,6 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
         transitions.stride(0), transitions.stride(1), transitions.stride(2),
         initial.stride(0), initial.stride(1), initial.stride(2),
         *(final_pool.stride()[:3] if final else (0, 0, 0)),
-        K=K, V=V, BV=BV, HAS_SLOTS=state_indices is not None, FINAL=int(final), num_warps=4, num_stages=1)
+        K=K, V=V, BV=BV, HAS_SLOTS=state_indices is not None, FINAL=int(final), num_warps=COMPOSE_LAUNCH["num_warps"],
+        num_stages=COMPOSE_LAUNCH["num_stages"])
     return initial
