@@ -55,7 +55,8 @@ each wgmma before the next.
 Speed (H200, bench_serving, CUDA-graph replay, ns per token-head; in brackets the version with
 serialised wgmma, a tf32 solve from float32 shared memory and registers 24 / 120 / 184, in the
 same bench a run earlier): 4 x 8192 0.584 (0.694), 8 x 1024 0.681 (0.822), 1 x 2048 2.15 (2.96),
-with segments 1 x 32768 1.63 (1.81), TP4 1 x 8192 3.09 (3.45). ncu's warp-state samples
+with segments 1 x 32768 1.63 (1.81), TP4 1 x 8192 3.09 (3.45); since the composition and
+correction launches were retuned, 1.43 and 2.10 (same kernel). ncu's warp-state samples
 (4 x 8192, at 0.620, when the aux still formed T' in bf16 and V^T was loaded under S^T's
 products) put the aux at about 97% busy and the state warpgroups at about 94%. The aux: the
 scaling of P and A 39% of its samples, the solve 36% (its mma.sync often waiting for the tensor
@@ -79,7 +80,10 @@ side by side, in one state pass (the Triton kernel recomputes its segments in a 
 - ``segments.compose_initial_states`` then chains S_{j+1} = S_j A_j + D_j into each segment's
   initial state and the sequence's final state (into the pool), and
   ``affine_output.correct_segment_outputs`` adds q~ S_j to the later segments' outputs.
-A sequence cut in s segments takes 2 s - 1 CTAs per head. H100, 32 heads, CUDA-graph replay:
+A sequence cut in s segments takes 2 s - 1 CTAs per head. H200, device time: a TP4 shard, 1 x 8192
+in eight segments, kernel 91 us (profiler), composition 26 and correction 30 (graph replay, L2
+flushed; 62 and 60 before their launches were retuned); 1 x 32768 in two, kernel 1246 us,
+correction 194 (421), composition 16 (18). H100, 32 heads, CUDA-graph replay:
 1 x 32768 tokens 3.80 -> 2.33 ns per token-head (two segments); a TP4 shard of 8 heads, 1 x 8192:
 14.8 -> 3.86 (eight). Segments write no checkpoints: with checkpoints a batch runs unsegmented
 (automatic dispatch then gives the few-CTA batches to Triton, ``cute_backend.defers``).
@@ -557,6 +561,11 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
                 if const_expr(SEGMENTED):
                     v = cutlass.select_(maps == 0, v, Float32(0.0))
                 tUrZ[i] = Float16((v - accX[i] * z[s]) * sB[s])
+            # V^T was read through the generic proxy and the stage is refilled by TMA (the async
+            # proxy): without this fence the segmented build's last ldmatrix.trans of V^T sat right
+            # before the release's arrive, still in flight, and the refill raced it (one chunk's U
+            # in one warpgroup perturbed in about a third of 1 x 32768 calls on an H200)
+            cute.arch.fence_proxy("async.shared", space="cta")
             v_loads.consumer_release(v_state)
             warpgroup.fence()
             gemm(mma_u, accU, tUrZ, tZrT[None, None, None, chunk.index], False)

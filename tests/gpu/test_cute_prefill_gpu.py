@@ -7,7 +7,8 @@ k); both pool dtypes; a sequence of several thousand tokens; many short and empt
 checkpoints; grouped value heads; no pool and dense initial states; a capture in a CUDA graph
 replayed with new inputs; which calls automatic dispatch gives them. Lightning also: strided
 views of a fused projection, a packed batch past 2^31 elements. GDN also: in-card segments,
-forced short and by the automatic rule, with and without a pool, under CUDA-graph replay.
+forced short and by the automatic rule, with and without a pool, under CUDA-graph replay, and
+bitwise the same from call to call.
 
 Run with ``pytest -m gpu tests/gpu``; skipped where the cute backend is unavailable.
 """
@@ -213,6 +214,28 @@ def test_gdn_segments_automatic_long_sequence():
     assert_same_writes(pool, ref_pool, 5e-3, "final state")
     o_whole, _ = prefill_call("gdn", kw, state_pool=whole, segment_tokens=0, **varlen_call([T], [3], [True]), **CUTE)
     assert_close(o, o_whole.double(), 5e-3)
+
+
+def test_gdn_segments_repeat_bitwise():
+    """One 32768-token sequence at 32 heads (two segments by the rule, three CTAs a head), called
+    twelve times: outputs and final state bitwise the same every time. Guards the release of v's
+    stage after its ldmatrix.trans (``chunk_cute._state_math``): without the proxy fence there the
+    TMA refill raced the last ldmatrix and about a third of such calls differed on an H200."""
+    from cula_serve.kernels.common.segments import one_pass_segment_tokens, sm_count
+
+    T = 32768
+    assert one_pass_segment_tokens(T, 1, SHAPES["gdn"]["HV"], sm_count(torch.device(DEVICE))) > 0
+    kw = _inputs("gdn", T, seed=40)
+    pool = poisoned_pool("gdn", torch.float32, [3], seed=41)
+    call = varlen_call([T], [3], [True])
+    first = first_pool = None
+    for _ in range(12):
+        work = pool.clone()
+        o, _ = prefill_call("gdn", kw, state_pool=work, **call, **CUTE)
+        if first is None:
+            first, first_pool = o, work
+        else:
+            assert torch.equal(o, first) and torch.equal(work, first_pool)
 
 
 def test_gdn_segments_without_pool():
