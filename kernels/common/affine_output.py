@@ -26,7 +26,8 @@ _TILES_PER_PROGRAM = 8  # token tiles per program: S is loaded once for all of t
 # ``correct_segment_outputs``'s launch: BT-row tiles, TILES of them a program. H200, graph replay, L2
 # flushed: 32 value heads, one 16384-token segment 194 us (eight tiles 180; 64-row tf32x3 tiles
 # before: 421); 8 heads, seven 1024-token segments 30 us (eight tiles 43; before: 60): four keep
-# more programs on the SMs where segments are short
+# more programs on the SMs where segments are short. Its callers run on Hopper only (the CuTe DSL
+# GDN prefill): S's parts and three stages of q~ tiles take about 160 KB of shared memory
 SEGMENT_OUTPUT_LAUNCH = dict(BT=128, TILES=4, num_warps=8, num_stages=3)
 
 

@@ -57,10 +57,12 @@ from .varlen import SEQ_BLOCK, locate_pieces, max_chunks, piece_counts
 # below this mean length the segmented pass's two more launches cost more host time than they save
 MIN_SEQUENCE_TOKENS = 4096
 # the delta rule's composition launch: rows of X a program, warps, pipelined loads. H200, graph replay,
-# L2 flushed: a TP4 shard (8 heads, eight 1024-token segments) 62 -> 26 us against 32 rows, 4 warps
-# and one stage (the loads of A_j then waited in each step), 32 heads in two segments 18 -> 16 us.
-# 64 rows in three stages asked for 320 KB of shared memory
+# L2 flushed: a TP4 shard (8 heads, eight 1024-token segments) 62 -> 26 us against SMALL_COMPOSE_LAUNCH
+# (the loads of A_j then waited in each step), 32 heads in two segments 18 -> 16 us. Three stages of
+# the float32 [K, K] map take about 216 KB of shared memory (64 rows asked for 320 KB): GPUs with
+# less than Hopper's 227 KB a block keep the one-stage launch
 COMPOSE_LAUNCH = dict(BV=16, num_warps=8, num_stages=3)
+SMALL_COMPOSE_LAUNCH = dict(BV=32, num_warps=4, num_stages=1)
 
 
 def sm_count(device) -> int:
@@ -329,7 +331,10 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
             initial.stride(0), initial.stride(1), initial.stride(2),
             K=K, V=V, BV=BV, HAS_SLOTS=state_indices is not None, num_warps=4)
         return initial
-    BV = min(V, COMPOSE_LAUNCH["BV"])
+    launch = COMPOSE_LAUNCH
+    if transitions.is_cuda and torch.cuda.get_device_capability(transitions.device)[0] not in (9, 10):
+        launch = SMALL_COMPOSE_LAUNCH
+    BV = min(V, launch["BV"])
     final = final_pool is not None
     _compose_kernel[(N, HV, triton.cdiv(V, BV))](
         cu_seqlens, state_indices if state_indices is not None else cu_seqlens, transitions, initial,
@@ -337,6 +342,6 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
         transitions.stride(0), transitions.stride(1), transitions.stride(2),
         initial.stride(0), initial.stride(1), initial.stride(2),
         *(final_pool.stride()[:3] if final else (0, 0, 0)),
-        K=K, V=V, BV=BV, HAS_SLOTS=state_indices is not None, FINAL=int(final), num_warps=COMPOSE_LAUNCH["num_warps"],
-        num_stages=COMPOSE_LAUNCH["num_stages"])
+        K=K, V=V, BV=BV, HAS_SLOTS=state_indices is not None, FINAL=int(final), num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"])
     return initial
