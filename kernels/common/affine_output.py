@@ -27,8 +27,11 @@ _TILES_PER_PROGRAM = 8  # token tiles per program: S is loaded once for all of t
 # flushed: 32 value heads, one 16384-token segment 194 us (eight tiles 180; 64-row tf32x3 tiles
 # before: 421); 8 heads, seven 1024-token segments 30 us (eight tiles 43; before: 60): four keep
 # more programs on the SMs where segments are short. Its callers run on Hopper only (the CuTe DSL
-# GDN prefill): S's parts and three stages of q~ tiles take about 160 KB of shared memory
+# GDN prefill): S's parts and three stages of bf16 q~ tiles take about 160 KB of shared memory.
 SEGMENT_OUTPUT_LAUNCH = dict(BT=128, TILES=4, num_warps=8, num_stages=3)
+# Other q~ dtypes (tf32x3 products): three stages of float32 q~ tiles asked for 320 KB of shared
+# memory (an H200 refused the launch), so 64-row tiles and one stage
+FLOAT_SEGMENT_OUTPUT_LAUNCH = dict(BT=64, TILES=4, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -117,8 +120,9 @@ def _segment_output_kernel(out, carried, initial, cu_seqlens, state_indices, num
         ks = tl.arange(0, K)
         vs = tl.arange(0, V)
         S = tl.load(initial + sid.to(tl.int64) * s_in + hv * s_ih + vs[None, :] * s_iv + ks[:, None])
-        S_hi = S.to(tl.bfloat16)
-        S_lo = (S - S_hi.to(tl.float32)).to(tl.bfloat16)
+        if SPLIT:
+            S_hi = S.to(tl.bfloat16)
+            S_lo = (S - S_hi.to(tl.float32)).to(tl.bfloat16)
         rows = tl.arange(0, BT)
         for i in range(TILES):
             t = bos + (group * TILES + i) * BT + rows
@@ -149,7 +153,7 @@ def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *,
     K = carried.shape[-1]
     N = cu_seqlens.shape[0] - 1
     num_ids = num_segment_ids(T, N, tokens)
-    launch = SEGMENT_OUTPUT_LAUNCH
+    launch = SEGMENT_OUTPUT_LAUNCH if carried.dtype == torch.bfloat16 else FLOAT_SEGMENT_OUTPUT_LAUNCH
     groups = triton.cdiv(tokens, launch["BT"] * launch["TILES"])
     _segment_output_kernel[(num_ids * groups, HV)](
         out, carried, initial, cu_seqlens, state_indices if state_indices is not None else cu_seqlens, N, tokens,

@@ -41,17 +41,23 @@ stage 3 below).
    live and spilled (GDN 4 x 8192 on an H200 went from 6.01 to 4.05 ms with the split). Folded
    into kernel 3 instead (U = M^-1 diag(beta) (V - (exp(G) K) S) per chunk, no W / U~ workspace)
    it adds a dependent product to the serial loop, which costs more than this kernel (H200, GDN
-   4 x 8192: state pass 1.01 -> 1.65 ms, against 0.58 for this kernel).
+   4 x 8192: state pass 1.01 -> 1.65 ms, against 0.58 for this kernel). KDA with bf16 / fp16
+   inputs also gets the state pass's decayed operands here, from the same column tiles of k and
+   G: Qd = scale exp(G) Q / |q| (in the input dtype, the rounding its product applies) and
+   Kd = exp(G_C - G) K / |k| (fp16: the 11 significant bits of its tf32 product; both <= 1).
 3. ``_delta_state_kernel``, grid (N x V / BV, HV): one program per (sequence, value head, V
    tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. The V tiles
    of a sequence and head run side by side (``segments.program_ids``), so q, k, W and P come
    from HBM once (H200, GDN 4 x 8192: 1.12 -> 1.02 ms against tiles in the slowest grid axis).
-   Per chunk it rereads q and k (recomputing the l2norm and the decays exp(G) and exp(G_C - G)
-   is cheaper than a workspace round trip of the decayed Q and K: on an H200 the exponentials
-   and norms took 0.025 ms of KDA's 1.50 ms state pass at 4 x 8192), takes G (GDN's scalar gate
-   recomputed; KDA's read from its workspace, except with float32 inputs, numerics below:
-   recomputing it cost 0.9 of 2.4 ms), reads W, U~, P and applies the four products above.
-   The state goes to memory only at the end (the pool slot) and at requested checkpoints; FLA's chunk_h writes every chunk's state, this never does.
+   Per chunk it reads W, U~, P and the decayed Q and K and applies the four products above.
+   GDN rereads q and k and recomputes its scalar decays (a few scalars a row). KDA with bf16 /
+   fp16 inputs reads Qd and Kd (kernel 2) and G_C: forming them here (q, k and G [C, K] in
+   float32, two C x K exponentials a chunk in the serial loop, 255 registers and spills) cost
+   the state pass 1.49 ms against 0.88 at KDA 4 x 8192 on an H200, for 0.28 ms more in kernel 2
+   (whole prefill 3.96 -> 3.61 ms, 1 x 32768 5.29 -> 4.43). With float32 inputs KDA recomputes
+   its gate here (numerics below: recomputing it cost 0.9 of 2.4 ms) and forms the decayed tiles.
+   The state goes to memory only at the end (the pool slot) and at requested checkpoints;
+   FLA's chunk_h writes every chunk's state, this never does.
    Where one long sequence (or a shard with few heads) would leave SMs idle, the sequences are
    cut into segments (``kernels.common.segments``): the same kernel first computes every
    segment's state map with K map columns and no outputs, a small kernel composes them, and the
@@ -62,7 +68,8 @@ Memory traffic per token and value head, beyond reading q, k, v, g, beta and wri
 workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2;
 plus N written and read back before the solve: within one GDN program, mostly from L2; between
 KDA's two launches, 256 more bytes each way; KDA's G, 4 K bytes written once and read by the
-later kernels).
+later kernels; with bf16 / fp16 inputs KDA's Qd and Kd, 4 K bytes written once and read once
+per V tile, where the state pass would otherwise reread q, k and G).
 With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
 workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
 heads).
@@ -613,19 +620,23 @@ def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws,
 
 @triton.jit
 def _delta_wu_kernel(
-    k, v, g, beta, A_log, dt_bias, lower_bound,
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, chunk_table, state_indices,
-    Minv_ws, W_ws, U_ws, G_ws,
-    s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
+    Minv_ws, W_ws, U_ws, G_ws, Qd_ws, Kd_ws,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_RAW: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_RAW: tl.constexpr, DECAYED_WS: tl.constexpr,
 ):
     """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
     C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace
-    (and KDA's G from ``G_ws``; GDN's scalar G is recomputed from the gate)."""
+    (and KDA's G from ``G_ws``; GDN's scalar G is recomputed from the gate).
+
+    DECAYED_WS (KDA, bf16 / fp16 inputs): also the state pass's decayed operands, from the same
+    column tiles of k and G: Qd = scale exp(G) * Q / |q| into ``Qd_ws`` and
+    Kd = exp(G_C - G) * K / |k| into ``Kd_ws`` ([T, HV, K] each, module docstring)."""
     i_c, hv = _chunk_program(HV)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
@@ -648,10 +659,19 @@ def _delta_wu_kernel(
         rk = _inv_norm(_load_rows(k, tok, rmask, s_kt, s_kk, K, BK), QK_L2NORM)
         if PER_CHANNEL:
             Mw = Minv * (b * rk)[None, :]
+            if DECAYED_WS:
+                q += (hv // GROUP) * s_qh
+                rq = _inv_norm(_load_rows(q, tok, rmask, s_qt, s_qk, K, BK), QK_L2NORM) * scale
+                last = tl.minimum(eos, t0 + C) - 1 + tl.zeros([1], dtype=tl.int32)  # G_C's row: the last token
             for c0 in range(0, K, BT):
                 G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BT)
-                X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT).to(tl.float32) * tl.exp(G)
-                _store_tile(W_ws, _dot(Mw, X, PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
+                kk = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT).to(tl.float32)
+                _store_tile(W_ws, _dot(Mw, kk * tl.exp(G), PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
+                if DECAYED_WS:
+                    G_end = _load_tile(G_ws + hv * K, last, last >= 0, HV * K, 1, c0, K, BT)  # [1, BT]
+                    _store_tile(Kd_ws, kk * (rk[:, None] * tl.exp(G_end - G)), tok, rmask, hv, c0, HV, K, BT)
+                    qq = _load_tile(q, tok, rmask, s_qt, s_qk, c0, K, BT).to(tl.float32)
+                    _store_tile(Qd_ws, qq * (rq[:, None] * tl.exp(G)), tok, rmask, hv, c0, HV, K, BT)
         else:
             # the scalar row factors go to M^-1's columns: the raw k tiles enter the product unrounded
             gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
@@ -671,13 +691,13 @@ def _delta_state_kernel(
     q, k, g, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
     num_seqs, segment_tokens, initial,
-    W_ws, U_ws, P_ws, G_ws, out, pool,
+    W_ws, U_ws, P_ws, G_ws, Qd_ws, Kd_ws, out, pool,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk,
     s_ot, s_oh, s_ov, s_ps, s_ph, s_pv, s_pk, s_cn, s_cj, s_in, s_ih, s_iv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_VALUES: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, GATE_WS: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, DECAYED_WS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_CKPT: tl.constexpr,
     SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
     PREC_FAST: tl.constexpr, PREC_ACC: tl.constexpr,
@@ -685,6 +705,8 @@ def _delta_state_kernel(
     """One (sequence or segment, value head, V tile): S0, then per chunk
     U = U~ - W S, O = scale (exp(G) Q) S + P U, S = exp(G_C) S + (exp(G_C - G) K)^T U.
     State columns from V_VALUES to V have zero values (U~ = 0): the state-map columns.
+    DECAYED_WS (KDA, bf16 / fp16 inputs): the decayed Q and K come from ``Qd_ws`` and ``Kd_ws``
+    (``_delta_wu_kernel``), G_C from ``G_ws``.
 
     Not SEGMENTED: program 0 is a sequence, S0 from the pool, the final state to the pool.
     SEGMENTED (``kernels.common.segments``): program 0 is a segment of ``segment_tokens``. With
@@ -729,11 +751,9 @@ def _delta_state_kernel(
         for t0 in range(bos, eos, C):
             tok = t0 + rows
             rmask = tok < eos
-            if GATE_WS:
-                # KDA's G from its workspace; G_C is its row of the chunk's last token
-                G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, 0, K, BK)
+            if DECAYED_WS:
+                # KDA's G_C: the workspace's row of the chunk's last token
                 G_end = _gate_row(G_ws, tl.minimum(eos, t0 + C) - 1, True, hv, HV, K, BK)
-                G_after = G_end - G
             else:
                 gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
                                      K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
@@ -749,18 +769,23 @@ def _delta_state_kernel(
 
             # U = U~ - W S
             ws_row = tok[:, None] * HV + hv
-            Wc = tl.load(W_ws + ws_row * K + ko[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            ws_k = ws_row * K + ko[None, :]  # rows of the [T, HV, K] workspaces (W, Qd, Kd)
+            ws_mask = rmask[:, None] & kmask[None, :]
+            Wc = tl.load(W_ws + ws_k, mask=ws_mask, other=0.0)
             U = tl.load(U_ws + ws_row * V_VALUES + vo[None, :], mask=rmask[:, None] & (vo < V_VALUES)[None, :],
                         other=0.0)
             U -= _dot(Wc, S, PREC_FAST)
 
             if not TRANSITION:
                 # O = scale (exp(G) Q) S + P U
-                qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
-                if PER_CHANNEL:
+                if DECAYED_WS:
+                    o = _dot(tl.load(Qd_ws + ws_k, mask=ws_mask, other=0.0), S, PREC_FAST)
+                elif PER_CHANNEL:
+                    qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
                     q_dec = qq.to(tl.float32) * (_inv_norm(qq, QK_L2NORM)[:, None] * scale * tl.exp(G))
                     o = _dot(q_dec, S, PREC_FAST)
                 else:
+                    qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
                     o = _dot(qq, S, PREC_FAST) * (_inv_norm(qq, QK_L2NORM) * scale * tl.exp(G.to(tl.float32)))[:, None]
                 Pc = tl.load(P_ws + ws_row * C + rows[None, :], mask=rmask[:, None] & (rows[None, :] <= rows[:, None]),
                              other=0.0)
@@ -768,11 +793,15 @@ def _delta_state_kernel(
                 tl.store(out + tok[:, None] * s_ot, o.to(out.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
 
             # S = exp(G_C) S + (exp(G_C - G) K)^T U
-            kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
-            if PER_CHANNEL:
+            if DECAYED_WS:
+                k_dec = tl.load(Kd_ws + ws_k, mask=ws_mask, other=0.0)
+                S = S * tl.exp(G_end)[:, None] + _dot(tl.trans(k_dec), U, PREC_ACC)
+            elif PER_CHANNEL:
+                kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
                 k_dec = kk.to(tl.float32) * (_inv_norm(kk, QK_L2NORM)[:, None] * tl.exp(G_after))
                 S = S * tl.exp(G_end)[:, None] + _dot(tl.trans(k_dec), U, PREC_ACC)
             else:
+                kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
                 U_dec = U * (_inv_norm(kk, QK_L2NORM) * tl.exp(G_after.to(tl.float32)))[:, None]
                 S = S * tl.exp(G_end.to(tl.float32)) + _dot(tl.trans(kk), U_dec, PREC_ACC)
 
@@ -934,6 +963,10 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     # kernel writes G and the state pass recomputes it
     G_ws = torch.empty(T, HV, K, dtype=torch.float32, device=device) if per_channel else Minv_ws
     gate_ws = per_channel and prec["PREC_ACC"] != "tf32x3"
+    # ... and with it the state pass's decayed Q (rounded as its product rounds it: bf16 for bf16
+    # inputs, else fp16, tf32's 11 bits) and K (fp16 for its tf32 product; both tiles are <= 1)
+    Qd_ws = torch.empty(T, HV, K, dtype=q.dtype, device=device) if gate_ws else W_ws
+    Kd_ws = torch.empty(T, HV, K, dtype=torch.float16, device=device) if gate_ws else W_ws
     common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
                   QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"],
                   **gate_flags)
@@ -969,9 +1002,9 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: GDN 0.773 -> 0.739 ms, KDA
     # 1.050 -> 1.001); with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
     _delta_wu_kernel[grid](
-        k, v, g, beta, *gate_args, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws,
-        *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"], num_warps=4,
+        q, k, v, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws, Qd_ws, Kd_ws,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+        V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"], DECAYED_WS=gate_ws, num_warps=4,
         num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **common)
 
     has_pool = state_pool is not None
@@ -980,13 +1013,13 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         q, k, g, A_log, dt_bias, lower_bound, recipe.scale,
         cu_seqlens, slots, has_initial_state if has_initial_state is not None else dummy_i32,
         ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0)
-    pool_args = (W_ws, U_ws, P_ws, G_ws, out, state_pool if has_pool else U_ws,
+    pool_args = (W_ws, U_ws, P_ws, G_ws, Qd_ws, Kd_ws, out, state_pool if has_pool else U_ws,
                  *q.stride(), *k.stride(), *g.stride(), *out.stride(),
                  *(state_pool.stride() if has_pool else (0, 0, 0, 0)),
                  *(ckpt.stride() if ckpt is not None else (0, 0)))
     flags = dict(HAS_POOL=has_pool, HAS_INIT_FLAGS=has_pool and has_initial_state is not None,
                  HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"],
-                 GATE_WS=gate_ws, **common)
+                 DECAYED_WS=gate_ws, **common)
 
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
     if not tokens:

@@ -247,6 +247,34 @@ def test_context_parallel_output_correction(dtype):
     assert torch.isnan(out_full[..., V:]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_segment_output_correction(dtype):
+    """``correct_segment_outputs`` (in-card segments: out += q~ S on every segment that continues
+    a live sequence) against float64, with a ragged segment and a padding row, in both launches
+    (bf16 q~: two bf16 products; float32: tf32x3)."""
+    from cula_serve.kernels.common.affine_output import correct_segment_outputs
+    from cula_serve.kernels.common.segments import num_segment_ids
+
+    T, HV, K, tokens = 4096, 8, 128, 1024
+    lens, slots = [2500, 1300, 296], [4, -1, 2]  # the padding row spans two segments
+    cu_seqlens = torch.tensor([0, 2500, 3800, T], dtype=torch.int32, device=DEVICE)
+    state_indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    generator = torch.Generator(DEVICE).manual_seed(4)
+    initial = torch.randn(num_segment_ids(T, len(lens), tokens), HV, K, K, generator=generator, device=DEVICE)
+    carried = torch.randn(T, HV, K, generator=generator, device=DEVICE).to(dtype)
+    out = torch.randn(T, HV, K, generator=generator, device=DEVICE).to(dtype)
+    expected = out.double()
+    segment_id = 0
+    for bos, length, slot in zip(cu_seqlens.tolist(), lens, slots):
+        for j in range(-(-length // tokens)):
+            rows = slice(bos + j * tokens, bos + min((j + 1) * tokens, length))
+            if j and slot >= 0:
+                expected[rows] += torch.einsum("thk,hvk->thv", carried[rows].double(), initial[segment_id].double())
+            segment_id += 1
+    correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, tokens=tokens)
+    assert_close(out.double(), expected, tolerance(dtype, torch.float32))
+
+
 def test_rows_past_2_31_elements():
     """Offsets of a packed batch past 2^31 elements: 64-bit (``assert_rows_past_2_31_elements``)."""
     assert_rows_past_2_31_elements(TRITON)
