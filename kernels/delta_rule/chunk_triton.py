@@ -25,9 +25,11 @@ stage 3 below).
    float32) go to [T, HV, C] workspaces, then M^-1 replaces N (block doubling within each of the
    four 16 x 16 diagonal blocks, then (M^-1)_ij = -(M^-1)_ii sum_m N_im (M^-1)_mj: ``_invert_chunk``).
    GDN, ``_gdn_intra_kernel``, grid ((T // C + N) x HV) (``_chunk_program``): P and N as two
-   whole-chunk products (q k^T, k k^T) times one C x C decay matrix, then after a barrier the solve, reading N back in
-   blocks (16-row blocks held in registers until the solve spilled: 1.80 ms against 0.98 for
-   GDN 4 x 8192 on an H200). KDA, whose per-channel decays only factor safely across sub-chunk
+   whole-chunk products (q k^T, k k^T) times one C x C decay matrix, then after a barrier the
+   solve, reading N back in blocks (16-row blocks held in registers until the solve spilled:
+   1.80 ms against 0.98 for GDN 4 x 8192 on an H200). It also writes the row factors of kernels
+   2 and 3 (l2norms, decays, scale: four float32 per token and value head), which it has in
+   hand for P and N. KDA, whose per-channel decays only factor safely across sub-chunk
    boundaries (below): ``_kda_gate_kernel`` first writes G (the chunk-local cumulative log gate,
    float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV,
    1, 4), one 16-row block of P and N per program, its decays read from G (with float32 inputs
@@ -50,12 +52,15 @@ stage 3 below).
    of a sequence and head run side by side (``segments.program_ids``), so q, k, W and P come
    from HBM once (H200, GDN 4 x 8192: 1.12 -> 1.02 ms against tiles in the slowest grid axis).
    Per chunk it reads W, U~, P and the decayed Q and K and applies the four products above.
-   GDN rereads q and k and recomputes its scalar decays (a few scalars a row). KDA with bf16 /
-   fp16 inputs reads Qd and Kd (kernel 2) and G_C: forming them here (q, k and G [C, K] in
-   float32, two C x K exponentials a chunk in the serial loop, 255 registers and spills) cost
-   the state pass 1.49 ms against 0.88 at KDA 4 x 8192 on an H200, for 0.28 ms more in kernel 2
-   (whole prefill 3.96 -> 3.61 ms, 1 x 32768 5.29 -> 4.43). With float32 inputs KDA recomputes
-   its gate here (numerics below: recomputing it cost 0.9 of 2.4 ms) and forms the decayed tiles.
+   GDN rereads the raw q and k tiles and applies kernel 1's row factors to the products: with
+   the norms and gate recomputed here (and in kernel 2), GDN 4 x 8192 on an H200 took 1.02 ms
+   here and 0.58 in kernel 2, against 0.91 and 0.45 now (whole prefill 2.41 -> 2.20 ms). KDA
+   with bf16 / fp16 inputs reads Qd and Kd (kernel 2) and G_C: forming them here (q, k and
+   G [C, K] in float32, two C x K exponentials a chunk in the serial loop, 255 registers and
+   spills) cost the state pass 1.49 ms against 0.88 at KDA 4 x 8192 on an H200, for 0.28 ms
+   more in kernel 2 (whole prefill 3.96 -> 3.61 ms, 1 x 32768 5.29 -> 4.43). With float32
+   inputs KDA recomputes its gate here (numerics below: recomputing it cost 0.9 of 2.4 ms) and
+   forms the decayed tiles.
    The state goes to memory only at the end (the pool slot) and at requested checkpoints;
    FLA's chunk_h writes every chunk's state, this never does.
    Where one long sequence (or a shard with few heads) would leave SMs idle, the sequences are
@@ -69,7 +74,8 @@ workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mo
 plus N written and read back before the solve: within one GDN program, mostly from L2; between
 KDA's two launches, 256 more bytes each way; KDA's G, 4 K bytes written once and read by the
 later kernels; with bf16 / fp16 inputs KDA's Qd and Kd, 4 K bytes written once and read once
-per V tile, where the state pass would otherwise reread q, k and G).
+per V tile, where the state pass would otherwise reread q, k and G; GDN's row factors, 16
+bytes written once and read by kernels 2 and 3).
 With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
 workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
 heads).
@@ -286,7 +292,7 @@ def _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS: tl.constexpr):
 
 
 @triton.jit
-def _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
+def _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws, F_ws,
                        s_qt, s_qk, s_kt, s_kk, s_gt, s_bt,
                        HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                        QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -294,19 +300,29 @@ def _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound,
     """GDN's P and N = M - I of one chunk into the workspaces, as two whole-chunk products of the
     raw q and k tiles: a scalar gate's decays exp(G_t - G_s) form one C x C matrix, applied to
     the products with the l2norm and beta row and column factors. G runs in float64 (module
-    docstring)."""
+    docstring). Also the row factors of kernels 2 and 3 into ``F_ws`` [T, HV, 4] float32, per
+    token: scale exp(G_t) / |q_t| (the output's), exp(G_C - G_t) / |k_t| (the state update's),
+    exp(G_t) / |k_t| (W's) and exp(G_t) (read at the chunk's last token: S's decay)."""
     rows = tl.arange(0, C)
     rmask = rows < L
     tok = t0 + rows
     qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
     kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
     rk = _inv_norm(kk, QK_L2NORM)
-    G = tl.cumsum(_log_decay_rows(g, tok, rmask, s_gt, 0, A, dt_bias, lower_bound, 0, K, BK, False,
-                                  FUSED_GATE, HAS_DT_BIAS, SAFE_GATE).to(tl.float64), 0)
+    rq = _inv_norm(qq, QK_L2NORM) * scale
+    gg = _log_decay_rows(g, tok, rmask, s_gt, 0, A, dt_bias, lower_bound, 0, K, BK, False,
+                         FUSED_GATE, HAS_DT_BIAS, SAFE_GATE).to(tl.float64)
+    G = tl.cumsum(gg, 0)
+    decay_in = tl.exp(G.to(tl.float32))
+    factors = F_ws + (tok * HV + hv) * 4
+    tl.store(factors, rq * decay_in, mask=rmask)
+    tl.store(factors + 1, rk * tl.exp((tl.sum(gg, 0) - G).to(tl.float32)), mask=rmask)
+    tl.store(factors + 2, rk * decay_in, mask=rmask)
+    tl.store(factors + 3, decay_in, mask=rmask)
     lower = rows[:, None] >= rows[None, :]
     decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0).to(tl.float32)) * rk[None, :]
     kt = tl.trans(kk)
-    P = _dot(qq, kt, PREC_IN) * decay * (scale * _inv_norm(qq, QK_L2NORM))[:, None]
+    P = _dot(qq, kt, PREC_IN) * decay * rq[:, None]
     _store_rows(P_ws, tl.where(lower, P, 0.0), tok, rmask, hv, HV, C, C)
     b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
     N = _dot(kk, kt, PREC_IN) * decay * (b * rk)[:, None]
@@ -406,12 +422,13 @@ def _gdn_intra_kernel(
     cu_seqlens, chunk_table, state_indices,
     P_ws, Minv_ws,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
+    F_ws,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr,
 ):
-    """GDN, one (chunk, value head): P and N = M - I of the chunk into the workspaces, then M^-1
-    in place of N (module docstring)."""
+    """GDN, one (chunk, value head): P and N = M - I of the chunk and the row factors into the
+    workspaces, then M^-1 in place of N (module docstring)."""
     tl.static_assert(C == 4 * SUB)
     i_c, hv = _chunk_program(HV)
     h = hv // GROUP
@@ -423,7 +440,7 @@ def _gdn_intra_kernel(
         g += hv * s_gh
         beta += hv * s_bh
         A, dt_bias = _head_gate(A_log, dt_bias, hv, K, False, FUSED_GATE)
-        _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws,
+        _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws, F_ws,
                            s_qt, s_qk, s_kt, s_kk, s_gt, s_bt, HV, K, BK, C, QK_L2NORM, FUSED_GATE,
                            HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_IN)
         tl.debug_barrier()  # N is read back by other warps than those that wrote it
@@ -620,19 +637,18 @@ def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws,
 
 @triton.jit
 def _delta_wu_kernel(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+    q, k, v, beta, scale,
     cu_seqlens, chunk_table, state_indices,
-    Minv_ws, W_ws, U_ws, G_ws, Qd_ws, Kd_ws,
-    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
+    Minv_ws, W_ws, U_ws, G_ws, Qd_ws, Kd_ws, F_ws,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_bt, s_bh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_RAW: tl.constexpr, DECAYED_WS: tl.constexpr,
 ):
     """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
     C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace
-    (and KDA's G from ``G_ws``; GDN's scalar G is recomputed from the gate).
+    (and KDA's G from ``G_ws``; GDN's row factors exp(G) / |k| from ``F_ws``).
 
     DECAYED_WS (KDA, bf16 / fp16 inputs): also the state pass's decayed operands, from the same
     column tiles of k and G: Qd = scale exp(G) * Q / |q| into ``Qd_ws`` and
@@ -653,30 +669,26 @@ def _delta_wu_kernel(
             vv = _load_tile(v + hv * s_vh, tok, rmask, s_vt, s_vv, c0, V, BT)
             _store_tile(U_ws, _dot(Mb, vv, PREC_RAW), tok, rmask, hv, c0, HV, V, BT)
 
-        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, PER_CHANNEL, FUSED_GATE)
         k += (hv // GROUP) * s_kh
-        g += hv * s_gh
-        rk = _inv_norm(_load_rows(k, tok, rmask, s_kt, s_kk, K, BK), QK_L2NORM)
         if PER_CHANNEL:
+            rk = _inv_norm(_load_rows(k, tok, rmask, s_kt, s_kk, K, BK), QK_L2NORM)
             Mw = Minv * (b * rk)[None, :]
             if DECAYED_WS:
                 q += (hv // GROUP) * s_qh
                 rq = _inv_norm(_load_rows(q, tok, rmask, s_qt, s_qk, K, BK), QK_L2NORM) * scale
-                last = tl.minimum(eos, t0 + C) - 1 + tl.zeros([1], dtype=tl.int32)  # G_C's row: the last token
+                end_token = tl.minimum(eos, t0 + C) - 1 + tl.zeros([1], dtype=tl.int32)  # G_C's row
             for c0 in range(0, K, BT):
                 G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BT)
                 kk = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT).to(tl.float32)
                 _store_tile(W_ws, _dot(Mw, kk * tl.exp(G), PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
                 if DECAYED_WS:
-                    G_end = _load_tile(G_ws + hv * K, last, last >= 0, HV * K, 1, c0, K, BT)  # [1, BT]
+                    G_end = _load_tile(G_ws + hv * K, end_token, end_token >= 0, HV * K, 1, c0, K, BT)  # [1, BT]
                     _store_tile(Kd_ws, kk * (rk[:, None] * tl.exp(G_end - G)), tok, rmask, hv, c0, HV, K, BT)
                     qq = _load_tile(q, tok, rmask, s_qt, s_qk, c0, K, BT).to(tl.float32)
                     _store_tile(Qd_ws, qq * (rq[:, None] * tl.exp(G)), tok, rmask, hv, c0, HV, K, BT)
         else:
             # the scalar row factors go to M^-1's columns: the raw k tiles enter the product unrounded
-            gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
-                                 K, BK, False, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
-            Mw = Minv * (b * rk * tl.exp(tl.cumsum(gg.to(tl.float64), 0).to(tl.float32)))[None, :]
+            Mw = Minv * (b * tl.load(F_ws + (tok * HV + hv) * 4 + 2, mask=rmask, other=0.0))[None, :]
             for c0 in range(0, K, BT):
                 X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT)
                 _store_tile(W_ws, _dot(Mw, X, PREC_RAW), tok, rmask, hv, c0, HV, K, BT)
@@ -691,7 +703,7 @@ def _delta_state_kernel(
     q, k, g, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
     num_seqs, segment_tokens, initial,
-    W_ws, U_ws, P_ws, G_ws, Qd_ws, Kd_ws, out, pool,
+    W_ws, U_ws, P_ws, G_ws, Qd_ws, Kd_ws, F_ws, out, pool,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk,
     s_ot, s_oh, s_ov, s_ps, s_ph, s_pv, s_pk, s_cn, s_cj, s_in, s_ih, s_iv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_VALUES: tl.constexpr,
@@ -706,7 +718,8 @@ def _delta_state_kernel(
     U = U~ - W S, O = scale (exp(G) Q) S + P U, S = exp(G_C) S + (exp(G_C - G) K)^T U.
     State columns from V_VALUES to V have zero values (U~ = 0): the state-map columns.
     DECAYED_WS (KDA, bf16 / fp16 inputs): the decayed Q and K come from ``Qd_ws`` and ``Kd_ws``
-    (``_delta_wu_kernel``), G_C from ``G_ws``.
+    (``_delta_wu_kernel``), G_C from ``G_ws``. GDN: the row factors come from ``F_ws``
+    (``_scalar_gate_chunk``), applied to the products of the raw q and k tiles.
 
     Not SEGMENTED: program 0 is a sequence, S0 from the pool, the final state to the pool.
     SEGMENTED (``kernels.common.segments``): program 0 is a segment of ``segment_tokens``. With
@@ -751,21 +764,20 @@ def _delta_state_kernel(
         for t0 in range(bos, eos, C):
             tok = t0 + rows
             rmask = tok < eos
+            end_token = tl.minimum(eos, t0 + C) - 1  # the chunk's last token
             if DECAYED_WS:
                 # KDA's G_C: the workspace's row of the chunk's last token
-                G_end = _gate_row(G_ws, tl.minimum(eos, t0 + C) - 1, True, hv, HV, K, BK)
-            else:
+                G_end = _gate_row(G_ws, end_token, True, hv, HV, K, BK)
+            elif PER_CHANNEL:
                 gg = _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, 0,
                                      K, BK, PER_CHANNEL, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
-                if not PER_CHANNEL:
-                    gg = gg.to(tl.float64)  # GDN's sums in float64: module docstring, numerics
                 G = tl.cumsum(gg, 0)
                 G_end = tl.sum(gg, 0)  # G at the chunk's last token (masked rows add zero)
-                if PER_CHANNEL:
-                    # float32 inputs: G_C - G_t as the sum of the gates after t (module docstring, numerics)
-                    G_after = tl.cumsum(gg, 0, reverse=True) - gg
-                else:
-                    G_after = G_end - G
+                # float32 inputs: G_C - G_t as the sum of the gates after t (module docstring, numerics)
+                G_after = tl.cumsum(gg, 0, reverse=True) - gg
+            else:
+                factors = F_ws + (tok * HV + hv) * 4
+                decay_out = tl.load(F_ws + (end_token * HV + hv) * 4 + 3)  # exp(G_C)
 
             # U = U~ - W S
             ws_row = tok[:, None] * HV + hv
@@ -786,7 +798,7 @@ def _delta_state_kernel(
                     o = _dot(q_dec, S, PREC_FAST)
                 else:
                     qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
-                    o = _dot(qq, S, PREC_FAST) * (_inv_norm(qq, QK_L2NORM) * scale * tl.exp(G.to(tl.float32)))[:, None]
+                    o = _dot(qq, S, PREC_FAST) * tl.load(factors, mask=rmask, other=0.0)[:, None]
                 Pc = tl.load(P_ws + ws_row * C + rows[None, :], mask=rmask[:, None] & (rows[None, :] <= rows[:, None]),
                              other=0.0)
                 o += _dot(Pc, U, PREC_ACC)
@@ -802,8 +814,8 @@ def _delta_state_kernel(
                 S = S * tl.exp(G_end)[:, None] + _dot(tl.trans(k_dec), U, PREC_ACC)
             else:
                 kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
-                U_dec = U * (_inv_norm(kk, QK_L2NORM) * tl.exp(G_after.to(tl.float32)))[:, None]
-                S = S * tl.exp(G_end.to(tl.float32)) + _dot(tl.trans(kk), U_dec, PREC_ACC)
+                U_dec = U * tl.load(factors + 1, mask=rmask, other=0.0)[:, None]
+                S = S * decay_out + _dot(tl.trans(kk), U_dec, PREC_ACC)
 
             if HAS_CKPT and not TRANSITION:
                 # the state after (j + 1) * checkpoint_every tokens of the sequence, at full chunk ends only
@@ -967,23 +979,23 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     # inputs, else fp16, tf32's 11 bits) and K (fp16 for its tf32 product; both tiles are <= 1)
     Qd_ws = torch.empty(T, HV, K, dtype=q.dtype, device=device) if gate_ws else W_ws
     Kd_ws = torch.empty(T, HV, K, dtype=torch.float16, device=device) if gate_ws else W_ws
+    # GDN's row factors (``_scalar_gate_chunk``), four float32 per token and value head
+    F_ws = W_ws if per_channel else torch.empty(T, HV, 4, dtype=torch.float32, device=device)
     common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
-                  QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"],
-                  **gate_flags)
+                  QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"])
 
     table = chunk_indices(cu_seqlens, T, C)
     grid = (max_chunks(T, N, C) * HV,)
     gate_args = (A_log, dt_bias, lower_bound)
     intra_args = (q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
                   *q.stride(), *k.stride(), *g.stride(), *beta.stride())
-    intra_flags = {key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS",
-                                                "FUSED_GATE", "HAS_DT_BIAS", "SAFE_GATE")}
+    intra_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
+                       **gate_flags)
     if per_channel:
         if gate_ws:
             _kda_gate_kernel[grid + (triton.cdiv(K, GATE_TILE),)](
                 g, *gate_args, cu_seqlens, table, slots, G_ws, *g.stride(), HV=HV, K=K, BKG=GATE_TILE, C=C,
-                HAS_SLOTS=state_indices is not None, num_warps=GATE_WARPS, num_stages=1,
-                **{key: common[key] for key in ("FUSED_GATE", "HAS_DT_BIAS", "SAFE_GATE")})
+                HAS_SLOTS=state_indices is not None, num_warps=GATE_WARPS, num_stages=1, **gate_flags)
         # Warps timed on an H200 (bf16, 4 x 8192, fused gates, one row of blocks per program, before
         # the gate pass): 2 warps 1.46 ms against 4 warps 2.05; in a later run 2 warps 1.53 against
         # 1 warp 1.71 and 2 warps with 2 stages 1.56.
@@ -997,13 +1009,13 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
                              num_warps=2, num_stages=1)
     else:
         # 4 warps: GDN 4 x 8192 whole prefill 3.21 ms with 4, 3.20 with 8 on an H200 (bf16)
-        _gdn_intra_kernel[grid](*intra_args, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"], num_warps=4,
-                                num_stages=1, **intra_flags)
+        _gdn_intra_kernel[grid](*intra_args, F_ws, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
+                                num_warps=4, num_stages=1, **intra_flags)
     # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: GDN 0.773 -> 0.739 ms, KDA
     # 1.050 -> 1.001); with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
     _delta_wu_kernel[grid](
-        q, k, v, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws, Qd_ws, Kd_ws,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+        q, k, v, beta, recipe.scale, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws, Qd_ws, Kd_ws, F_ws,
+        *q.stride(), *k.stride(), *v.stride(), *beta.stride(),
         V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"], DECAYED_WS=gate_ws, num_warps=4,
         num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **common)
 
@@ -1013,13 +1025,13 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         q, k, g, A_log, dt_bias, lower_bound, recipe.scale,
         cu_seqlens, slots, has_initial_state if has_initial_state is not None else dummy_i32,
         ckpt if ckpt is not None else dummy_i32, checkpoint_every or C, ckpt.shape[1] if ckpt is not None else 0)
-    pool_args = (W_ws, U_ws, P_ws, G_ws, Qd_ws, Kd_ws, out, state_pool if has_pool else U_ws,
+    pool_args = (W_ws, U_ws, P_ws, G_ws, Qd_ws, Kd_ws, F_ws, out, state_pool if has_pool else U_ws,
                  *q.stride(), *k.stride(), *g.stride(), *out.stride(),
                  *(state_pool.stride() if has_pool else (0, 0, 0, 0)),
                  *(ckpt.stride() if ckpt is not None else (0, 0)))
     flags = dict(HAS_POOL=has_pool, HAS_INIT_FLAGS=has_pool and has_initial_state is not None,
                  HAS_CKPT=ckpt is not None, PREC_FAST=prec["PREC_FAST"],
-                 DECAYED_WS=gate_ws, **common)
+                 DECAYED_WS=gate_ws, **common, **gate_flags)
 
     launch = sequential_config(BK, V_state, prec["PREC_FAST"], heads=N * HV, num_sms=num_sms)
     if not tokens:
