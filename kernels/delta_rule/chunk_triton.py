@@ -78,7 +78,8 @@ per V tile, where the state pass would otherwise reread q, k and G; GDN's row fa
 bytes written once and read by kernels 2 and 3).
 With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
 workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
-heads).
+heads; KDA's G and, with bf16 / fp16 inputs, Qd and Kd add 8 K bytes per token and value head,
+about 33 MB more per 1000 tokens at 32 heads; GDN's row factors 16 bytes).
 
 Numerics of the gate. exp(G_t - G_s) <= 1 for s <= t, but exp(-G_s) alone overflows float32
 once a chunk's gates sum below about -88, which KDA's unbounded per-channel gate reaches easily.
