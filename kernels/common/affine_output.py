@@ -153,12 +153,13 @@ def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *,
     K = carried.shape[-1]
     N = cu_seqlens.shape[0] - 1
     num_ids = num_segment_ids(T, N, tokens)
-    launch = SEGMENT_OUTPUT_LAUNCH if carried.dtype == torch.bfloat16 else FLOAT_SEGMENT_OUTPUT_LAUNCH
+    split = carried.dtype == torch.bfloat16
+    launch = SEGMENT_OUTPUT_LAUNCH if split else FLOAT_SEGMENT_OUTPUT_LAUNCH
     groups = triton.cdiv(tokens, launch["BT"] * launch["TILES"])
     _segment_output_kernel[(num_ids * groups, HV)](
         out, carried, initial, cu_seqlens, state_indices if state_indices is not None else cu_seqlens, N, tokens,
         groups, out.stride(0), out.stride(1), carried.stride(0), carried.stride(1), initial.stride(0),
         initial.stride(1), initial.stride(2), K=K, V=V, BT=launch["BT"], TILES=launch["TILES"],
-        SPLIT=carried.dtype == torch.bfloat16, HAS_SLOTS=state_indices is not None, num_warps=launch["num_warps"],
+        SPLIT=split, HAS_SLOTS=state_indices is not None, num_warps=launch["num_warps"],
         num_stages=launch["num_stages"])
     return out

@@ -141,6 +141,7 @@ from ..common.varlen import chunk_indices, max_chunks
 
 SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
 EPS = tl.constexpr(L2NORM_EPS)
+ROW_FACTORS = tl.constexpr(4)  # GDN's float32 row factors per token and value head (``_scalar_gate_chunk``)
 # KDA diagonal blocks go to the tensor cores while exp(span) stays far from float32's 3.4e38 (e^88)
 FACTOR_SPAN = 80.0
 MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
@@ -293,6 +294,13 @@ def _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS: tl.constexpr):
 
 
 @triton.jit
+def _factor_rows(F_ws, tok, hv, HV: tl.constexpr):
+    """Where the ROW_FACTORS row factors of tokens ``tok`` at value head ``hv`` sit in ``F_ws``
+    [T, HV, ROW_FACTORS]: + 0 the output's, + 1 the state update's, + 2 W's, + 3 exp(G_t)."""
+    return F_ws + (tok * HV + hv) * ROW_FACTORS
+
+
+@triton.jit
 def _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws, F_ws,
                        s_qt, s_qk, s_kt, s_kk, s_gt, s_bt,
                        HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
@@ -315,7 +323,7 @@ def _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound,
                          FUSED_GATE, HAS_DT_BIAS, SAFE_GATE).to(tl.float64)
     G = tl.cumsum(gg, 0)
     decay_in = tl.exp(G.to(tl.float32))
-    factors = F_ws + (tok * HV + hv) * 4
+    factors = _factor_rows(F_ws, tok, hv, HV)
     tl.store(factors, rq * decay_in, mask=rmask)
     tl.store(factors + 1, rk * tl.exp((tl.sum(gg, 0) - G).to(tl.float32)), mask=rmask)
     tl.store(factors + 2, rk * decay_in, mask=rmask)
@@ -689,7 +697,7 @@ def _delta_wu_kernel(
                     _store_tile(Qd_ws, qq * (rq[:, None] * tl.exp(G)), tok, rmask, hv, c0, HV, K, BT)
         else:
             # the scalar row factors go to M^-1's columns: the raw k tiles enter the product unrounded
-            Mw = Minv * (b * tl.load(F_ws + (tok * HV + hv) * 4 + 2, mask=rmask, other=0.0))[None, :]
+            Mw = Minv * (b * tl.load(_factor_rows(F_ws, tok, hv, HV) + 2, mask=rmask, other=0.0))[None, :]
             for c0 in range(0, K, BT):
                 X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT)
                 _store_tile(W_ws, _dot(Mw, X, PREC_RAW), tok, rmask, hv, c0, HV, K, BT)
@@ -777,8 +785,8 @@ def _delta_state_kernel(
                 # float32 inputs: G_C - G_t as the sum of the gates after t (module docstring, numerics)
                 G_after = tl.cumsum(gg, 0, reverse=True) - gg
             else:
-                factors = F_ws + (tok * HV + hv) * 4
-                decay_out = tl.load(F_ws + (end_token * HV + hv) * 4 + 3)  # exp(G_C)
+                factors = _factor_rows(F_ws, tok, hv, HV)
+                decay_out = tl.load(_factor_rows(F_ws, end_token, hv, HV) + 3)  # exp(G_C)
 
             # U = U~ - W S
             ws_row = tok[:, None] * HV + hv
@@ -980,8 +988,8 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     # inputs, else fp16, tf32's 11 bits) and K (fp16 for its tf32 product; both tiles are <= 1)
     Qd_ws = torch.empty(T, HV, K, dtype=q.dtype, device=device) if gate_ws else W_ws
     Kd_ws = torch.empty(T, HV, K, dtype=torch.float16, device=device) if gate_ws else W_ws
-    # GDN's row factors (``_scalar_gate_chunk``), four float32 per token and value head
-    F_ws = W_ws if per_channel else torch.empty(T, HV, 4, dtype=torch.float32, device=device)
+    # GDN's row factors (``_scalar_gate_chunk``)
+    F_ws = W_ws if per_channel else torch.empty(T, HV, ROW_FACTORS.value, dtype=torch.float32, device=device)
     common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
                   QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"])
 
