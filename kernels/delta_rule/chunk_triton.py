@@ -34,7 +34,13 @@ stage 3 below).
    float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV,
    1, 4), one 16-row block of P and N per program, its decays read from G (with float32 inputs
    it computes the gates itself and writes G), then ``_invert_kernel`` (one program per chunk
-   and head, 2 warps).
+   and head, 2 warps). With bf16 / fp16 inputs the block kernel also writes its rows of the
+   decayed operands of kernels 2 and 3, from the q and k rows, norms and G it holds for P and N:
+   Ke = exp(G) K / |k| (W's), Qd = scale exp(G) Q / |q| (in the input dtype, the rounding its
+   product applies) and Kd = exp(G_C - G) K / |k|; Ke and Kd in fp16, the 11 significant bits of
+   their tf32 products (all three tiles are <= 1). Kernel 2 formed Qd and Kd from a second read
+   of q, k and G, and its own decayed K from k and G (H200, KDA 4 x 8192: kernel 2 0.998 ->
+   0.501 ms, this kernel 1.090 -> 1.300; whole prefill 3.61 -> 3.35 ms, 1 x 32768 4.43 -> 4.15).
    The whole chunk's blocks in one program kept three sub-chunks' decayed tiles live and spilled
    3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 then).
 2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as
@@ -44,9 +50,7 @@ stage 3 below).
    into kernel 3 instead (U = M^-1 diag(beta) (V - (exp(G) K) S) per chunk, no W / U~ workspace)
    it adds a dependent product to the serial loop, which costs more than this kernel (H200, GDN
    4 x 8192: state pass 1.01 -> 1.65 ms, against 0.58 for this kernel). KDA with bf16 / fp16
-   inputs also gets the state pass's decayed operands here, from the same column tiles of k and
-   G: Qd = scale exp(G) Q / |q| (in the input dtype, the rounding its product applies) and
-   Kd = exp(G_C - G) K / |k| (fp16: the 11 significant bits of its tf32 product; both <= 1).
+   inputs reads its decayed K whole (Ke, kernel 1).
 3. ``_delta_state_kernel``, grid (N x V / BV, HV): one program per (sequence, value head, V
    tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. The V tiles
    of a sequence and head run side by side (``segments.program_ids``), so q, k, W and P come
@@ -55,10 +59,10 @@ stage 3 below).
    GDN rereads the raw q and k tiles and applies kernel 1's row factors to the products: with
    the norms and gate recomputed here (and in kernel 2), GDN 4 x 8192 on an H200 took 1.02 ms
    here and 0.58 in kernel 2, against 0.91 and 0.45 now (whole prefill 2.41 -> 2.20 ms). KDA
-   with bf16 / fp16 inputs reads Qd and Kd (kernel 2) and G_C: forming them here (q, k and
+   with bf16 / fp16 inputs reads Qd and Kd (kernel 1) and G_C: forming them here (q, k and
    G [C, K] in float32, two C x K exponentials a chunk in the serial loop, 255 registers and
-   spills) cost the state pass 1.49 ms against 0.88 at KDA 4 x 8192 on an H200, for 0.28 ms
-   more in kernel 2 (whole prefill 3.96 -> 3.61 ms, 1 x 32768 5.29 -> 4.43). With float32
+   spills) cost the state pass 1.49 ms against 0.88 at KDA 4 x 8192 on an H200 (whole prefill
+   3.96 -> 3.61 ms, 1 x 32768 5.29 -> 4.43, when kernel 2 formed them). With float32
    inputs KDA recomputes its gate here (numerics below: recomputing it cost 0.9 of 2.4 ms) and
    forms the decayed tiles.
    The state goes to memory only at the end (the pool slot) and at requested checkpoints;
@@ -73,13 +77,13 @@ Memory traffic per token and value head, beyond reading q, k, v, g, beta and wri
 workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2;
 plus N written and read back before the solve: within one GDN program, mostly from L2; between
 KDA's two launches, 256 more bytes each way; KDA's G, 4 K bytes written once and read by the
-later kernels; with bf16 / fp16 inputs KDA's Qd and Kd, 4 K bytes written once and read once
-per V tile, where the state pass would otherwise reread q, k and G; GDN's row factors, 16
-bytes written once and read by kernels 2 and 3).
+later kernels; with bf16 / fp16 inputs KDA's Ke, Qd and Kd, 6 K bytes written once and read
+once (Qd and Kd once per V tile), where kernels 2 and 3 would otherwise reread q, k and G; GDN's
+row factors, 16 bytes written once and read by kernels 2 and 3).
 With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
 workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
-heads; KDA's G and, with bf16 / fp16 inputs, Qd and Kd add 8 K bytes per token and value head,
-about 33 MB more per 1000 tokens at 32 heads; GDN's row factors 16 bytes).
+heads; KDA's G and, with bf16 / fp16 inputs, Ke, Qd and Kd add 10 K bytes per token and value
+head, about 42 MB more per 1000 tokens at 32 heads; GDN's row factors 16 bytes).
 
 Numerics of the gate. exp(G_t - G_s) <= 1 for s <= t, but exp(-G_s) alone overflows float32
 once a chunk's gates sum below about -88, which KDA's unbounded per-channel gate reaches easily.
@@ -549,7 +553,7 @@ def _kda_block_kernel(
     cu_seqlens, chunk_table, state_indices,
     P_ws, N_ws,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
-    G_ws,
+    G_ws, Qd_ws, Kd_ws, Ke_ws,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
@@ -560,7 +564,10 @@ def _kda_block_kernel(
     cumulative log gate from the chunk's start (float32), for the W / U~ and state kernels: with
     GATE_WS ``_kda_gate_kernel`` wrote it and the blocks' decays are read from it; without (float32
     inputs, whose sums keep the gates' own order: module docstring) the program computes its
-    sub-chunks' gates and writes its rows of G.
+    sub-chunks' gates and writes its rows of G. With GATE_WS it also writes its rows of the later
+    kernels' decayed operands, from the q and k rows and norms it has in hand:
+    Ke = exp(G) K / |k| (W's), Qd = scale exp(G) Q / |q| and Kd = exp(G_C - G) K / |k| (the state
+    pass's), into ``Ke_ws``, ``Qd_ws`` and ``Kd_ws`` [T, HV, K] (host docstring for their dtypes).
 
     Per-channel decays only factor safely across sub-chunk boundaries (module docstring): with
     l_i the cumulative gate within sub-chunk i and e_u the sum of sub-chunk u's gates, j < i takes
@@ -589,6 +596,15 @@ def _kda_block_kernel(
         f = tl.exp(li)
         kr = _decayed(ki, rki, f)
         qr = _decayed(qi, rqi, f)
+        if GATE_WS:
+            r = i * SUB + tl.arange(0, SUB)
+            start = _gate_row(G_ws, t0 + i * SUB - 1, i > 0, hv, HV, K, BK)  # G before the sub-chunk
+            G_end = _gate_row(G_ws, t0 + L - 1, True, hv, HV, K, BK)  # G_C
+            lift = tl.exp(start)[None, :]  # exp(G) = exp(l) exp(start), both <= 1
+            _store_tile(Ke_ws, kr * lift, t0 + r, r < L, hv, 0, HV, K, BK)
+            _store_tile(Qd_ws, qr * (scale * lift), t0 + r, r < L, hv, 0, HV, K, BK)
+            _store_tile(Kd_ws, _decayed(ki, rki, tl.exp((G_end - start)[None, :] - li)), t0 + r, r < L, hv, 0, HV,
+                        K, BK)
         A_blk, P_blk = _diag_block(qi, ki, rqi, rki, li, kr, qr, PREC_ACC, FACTOR_SPAN)
         _store_block(P_ws, scale * P_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
         _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
@@ -646,22 +662,20 @@ def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws,
 
 @triton.jit
 def _delta_wu_kernel(
-    q, k, v, beta, scale,
+    k, v, beta,
     cu_seqlens, chunk_table, state_indices,
-    Minv_ws, W_ws, U_ws, G_ws, Qd_ws, Kd_ws, F_ws,
-    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_bt, s_bh,
+    Minv_ws, W_ws, U_ws, G_ws, Ke_ws, F_ws,
+    s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_bt, s_bh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_RAW: tl.constexpr, DECAYED_WS: tl.constexpr,
 ):
     """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
-    C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace
-    (and KDA's G from ``G_ws``; GDN's row factors exp(G) / |k| from ``F_ws``).
-
-    DECAYED_WS (KDA, bf16 / fp16 inputs): also the state pass's decayed operands, from the same
-    column tiles of k and G: Qd = scale exp(G) * Q / |q| into ``Qd_ws`` and
-    Kd = exp(G_C - G) * K / |k| into ``Kd_ws`` ([T, HV, K] each, module docstring)."""
+    C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace.
+    The decayed K comes whole from ``Ke_ws`` with DECAYED_WS (KDA, bf16 / fp16 inputs: the block
+    kernel wrote it), else from k and KDA's G (``G_ws``) or GDN's row factors exp(G) / |k|
+    (``F_ws``)."""
     i_c, hv = _chunk_program(HV)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
@@ -679,22 +693,17 @@ def _delta_wu_kernel(
             _store_tile(U_ws, _dot(Mb, vv, PREC_RAW), tok, rmask, hv, c0, HV, V, BT)
 
         k += (hv // GROUP) * s_kh
-        if PER_CHANNEL:
+        if DECAYED_WS:
+            for c0 in range(0, K, BT):
+                Ke = _load_tile(Ke_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BT).to(tl.float32)
+                _store_tile(W_ws, _dot(Mb, Ke, PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
+        elif PER_CHANNEL:
             rk = _inv_norm(_load_rows(k, tok, rmask, s_kt, s_kk, K, BK), QK_L2NORM)
             Mw = Minv * (b * rk)[None, :]
-            if DECAYED_WS:
-                q += (hv // GROUP) * s_qh
-                rq = _inv_norm(_load_rows(q, tok, rmask, s_qt, s_qk, K, BK), QK_L2NORM) * scale
-                end_token = tl.minimum(eos, t0 + C) - 1 + tl.zeros([1], dtype=tl.int32)  # G_C's row
             for c0 in range(0, K, BT):
                 G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BT)
                 kk = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT).to(tl.float32)
                 _store_tile(W_ws, _dot(Mw, kk * tl.exp(G), PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
-                if DECAYED_WS:
-                    G_end = _load_tile(G_ws + hv * K, end_token, end_token >= 0, HV * K, 1, c0, K, BT)  # [1, BT]
-                    _store_tile(Kd_ws, kk * (rk[:, None] * tl.exp(G_end - G)), tok, rmask, hv, c0, HV, K, BT)
-                    qq = _load_tile(q, tok, rmask, s_qt, s_qk, c0, K, BT).to(tl.float32)
-                    _store_tile(Qd_ws, qq * (rq[:, None] * tl.exp(G)), tok, rmask, hv, c0, HV, K, BT)
         else:
             # the scalar row factors go to M^-1's columns: the raw k tiles enter the product unrounded
             Mw = Minv * (b * tl.load(_factor_rows(F_ws, tok, hv, HV) + 2, mask=rmask, other=0.0))[None, :]
@@ -727,7 +736,7 @@ def _delta_state_kernel(
     U = U~ - W S, O = scale (exp(G) Q) S + P U, S = exp(G_C) S + (exp(G_C - G) K)^T U.
     State columns from V_VALUES to V have zero values (U~ = 0): the state-map columns.
     DECAYED_WS (KDA, bf16 / fp16 inputs): the decayed Q and K come from ``Qd_ws`` and ``Kd_ws``
-    (``_delta_wu_kernel``), G_C from ``G_ws``. GDN: the row factors come from ``F_ws``
+    (``_kda_block_kernel``), G_C from ``G_ws``. GDN: the row factors come from ``F_ws``
     (``_scalar_gate_chunk``), applied to the products of the raw q and k tiles.
 
     Not SEGMENTED: program 0 is a sequence, S0 from the pool, the final state to the pool.
@@ -985,9 +994,11 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     G_ws = torch.empty(T, HV, K, dtype=torch.float32, device=device) if per_channel else Minv_ws
     gate_ws = per_channel and prec["PREC_ACC"] != "tf32x3"
     # ... and with it the state pass's decayed Q (rounded as its product rounds it: bf16 for bf16
-    # inputs, else fp16, tf32's 11 bits) and K (fp16 for its tf32 product; both tiles are <= 1)
+    # inputs, else fp16, tf32's 11 bits) and K, and W's decayed K (fp16 for their tf32 products;
+    # all three tiles are <= 1)
     Qd_ws = torch.empty(T, HV, K, dtype=q.dtype, device=device) if gate_ws else W_ws
     Kd_ws = torch.empty(T, HV, K, dtype=torch.float16, device=device) if gate_ws else W_ws
+    Ke_ws = torch.empty(T, HV, K, dtype=torch.float16, device=device) if gate_ws else W_ws
     # GDN's row factors (``_scalar_gate_chunk``)
     F_ws = W_ws if per_channel else torch.empty(T, HV, ROW_FACTORS.value, dtype=torch.float32, device=device)
     common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
@@ -1011,8 +1022,9 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
         # an sm_90 compile against 216 with 2 (not timed).
         _kda_block_kernel[grid + (1, 4)](
-            *intra_args, G_ws, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
-            GATE_WS=gate_ws, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **intra_flags)
+            *intra_args, G_ws, Qd_ws, Kd_ws, Ke_ws, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"],
+            FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1,
+            **intra_flags)
         # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
         _invert_kernel[grid](cu_seqlens, table, slots, Minv_ws, HV=HV, C=C, HAS_SLOTS=state_indices is not None,
                              num_warps=2, num_stages=1)
@@ -1023,8 +1035,8 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: GDN 0.773 -> 0.739 ms, KDA
     # 1.050 -> 1.001); with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
     _delta_wu_kernel[grid](
-        q, k, v, beta, recipe.scale, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws, Qd_ws, Kd_ws, F_ws,
-        *q.stride(), *k.stride(), *v.stride(), *beta.stride(),
+        k, v, beta, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws, Ke_ws, F_ws,
+        *k.stride(), *v.stride(), *beta.stride(),
         V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"], DECAYED_WS=gate_ws, num_warps=4,
         num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **common)
 
