@@ -376,7 +376,9 @@ def _load_block(ws, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _mm(a, b):
-    """16 x 16 products of the block inversion, in IEEE float32: the solve sets the accuracy."""
+    """16 x 16 products of the block inversion, in IEEE float32: the solve sets the accuracy. With
+    tf32 here (FLA's choice) keys correlated within a chunk raised the final states' error 2-6x
+    and KDA's output past the bf16 tolerance (H200 stress check, BENCHMARKS 2026-11-27)."""
     return tl.dot(a, b, input_precision="ieee")
 
 
