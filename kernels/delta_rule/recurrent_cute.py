@@ -49,6 +49,17 @@ token's update: the sequential form was latency-bound, 89 us against 65 now at B
 an H200); A and B are computed once per CTA (``_pair_coefficients``) and the per-column
 triangular recurrence is T^2 scalar steps on the lane that holds the column's sums.
 
+Tensor cores. A bfloat16 pool's state is exactly bfloat16, so from 2048 heads a delta-rule deferred
+verify without a pending commit takes its 2T dot products on the tensor cores (``_tensor_core_dots``,
+R = G = 4: mma.sync with the state as the A operand where the loads put it, the decayed keys and
+queries split into three bfloat16 parts, so float32 products) instead of 2T reduce-scatters per
+lane. Its lanes hold their channels in 16-byte pieces (``_lane_state``), so that a quad's loads
+cover whole sectors. H200, T = 4 verify then a separate commit, us, reductions -> tensor cores:
+GDN B = 64 84.3 -> 75.1, B = 256 305.9 -> 251.3; KDA 93.6 -> 81.3, 332.8 -> 270.6. With a pending
+commit first it lost (GDN B = 64 67.0 against 74.6, B = 256 241.8 against 261.8; KDA 74.7 / 75.4):
+the commit needs the share in float32 (R x CH registers: 219 a thread, two CTAs an SM), and a
+commit a piece at a time (193 registers) gained no more than 2% for KDA and lost for GDN.
+
 Memory. With STAGE the state goes through shared memory by cp.async (coalesced, issued as soon
 as the slot is known, awaited only after the tokens are prepared: a plain register load was
 scheduled by ptxas after the gate's arithmetic, one more DRAM round trip at B = 1), and stores of
@@ -84,8 +95,9 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu.warp import MmaF16BF16Op
 from cutlass.cute.runtime import AddressSpace, make_fake_stream, make_ptr
 from cutlass.memory.smem import SmemAllocator
 import cuda.bindings.driver as cuda
@@ -299,6 +311,30 @@ def _view(ptr: cute.Pointer, offset, rows: cutlass.Constexpr[int], row_stride, n
 
 
 @cute.jit
+def _lane_state(ptr: cute.Pointer, offset, R: cutlass.Constexpr[int], K: cutlass.Constexpr[int],
+                CH: cutlass.Constexpr[int], PIECE: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
+                align: cutlass.Constexpr[int]) -> cute.Tensor:
+    """A lane's share of R state columns (K elements each, from ``offset``): CH channels a column in
+    pieces of PIECE contiguous ones, G * PIECE apart (``_physical_channel``); element [r, c] is the
+    lane's channel c of column r."""
+    if cutlass.const_expr(PIECE == CH):
+        return _view(ptr, offset, R, K, CH, align)
+    if cutlass.const_expr(align > 1):
+        offset = cute.assume(offset, divby=align)
+    return cute.make_tensor(ptr + offset, cute.make_layout((R, (PIECE, CH // PIECE)), stride=(K, (1, G * PIECE))))
+
+
+@cute.jit
+def _physical_channel(channel, G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                      PIECE: cutlass.Constexpr[int]):
+    """The head channel behind prepared-vector position ``channel`` (``_prep_index``'s order: G runs
+    of CH, run ``part`` being what state lane ``part`` holds, ``_lane_state``)."""
+    part = channel // CH
+    within = channel % CH
+    return (within // PIECE) * (G * PIECE) + part * PIECE + within % PIECE
+
+
+@cute.jit
 def _unit(ptr: cute.Pointer, offset, n: cutlass.Constexpr[int]) -> cute.Tensor:
     """One copy unit of n elements at ``offset`` (a multiple of n), as a copy atom takes it."""
     if cutlass.const_expr(n > 1):
@@ -307,10 +343,19 @@ def _unit(ptr: cute.Pointer, offset, n: cutlass.Constexpr[int]) -> cute.Tensor:
 
 
 @cute.jit
-def _registers(src: cute.Tensor) -> cute.Tensor:
-    """A [rows, n] view copied (vectorised) into float32 registers."""
-    loaded = cute.make_rmem_tensor(cute.make_layout(src.shape, stride=(src.shape[1], 1)), src.element_type)
+def _raw_registers(src: cute.Tensor) -> cute.Tensor:
+    """A [rows, n] view (n possibly (PIECE, pieces), ``_lane_state``) copied (vectorised) into
+    registers of its own dtype, row-major."""
+    row = cute.make_layout(src.shape[1])
+    loaded = cute.make_rmem_tensor(cute.make_layout(src.shape, stride=(cute.size(row), row.stride)), src.element_type)
     cute.autovec_copy(src, loaded)
+    return loaded
+
+
+@cute.jit
+def _registers(src: cute.Tensor) -> cute.Tensor:
+    """``_raw_registers`` in float32."""
+    loaded = _raw_registers(src)
     values = cute.make_rmem_tensor(loaded.layout, Float32)
     values.store(loaded.load().to(Float32))
     return values
@@ -328,11 +373,12 @@ def _state_unit(e: Int32, K: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
 def _store_state(S: cute.Tensor, factor: Float32, share: cute.Tensor, block: cute.Tensor, dst: cute.Pointer,
                  dst_offset: Int64, lane: Int32, lane_offset: Int32, K: cutlass.Constexpr[int],
                  CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int], PER_COPY: cutlass.Constexpr[int],
-                 STAGE: cutlass.Constexpr[bool]):
+                 STAGE: cutlass.Constexpr[bool], PIECE: cutlass.Constexpr[int], G: cutlass.Constexpr[int]):
     """factor * S (this lane's float32 register share) into the warp's block of columns at
     ``dst + dst_offset`` (this lane's runs start ``lane_offset`` further), in the destination dtype.
 
-    A lane's share of a column is a run of CH contiguous elements. Runs of 16 bytes or less are
+    A lane's share of a column is a run of CH contiguous elements (or pieces of PIECE, G * PIECE
+    apart, unstaged: ``_lane_state``). Runs of 16 bytes or less are
     stored straight from registers: one store instruction of the warp then covers whole columns.
     With STAGE, longer runs go through the lane's ``share`` of the warp's shared-memory ``block``
     and are written out in units of PER_COPY elements in order across the lanes (stored from
@@ -341,7 +387,8 @@ def _store_state(S: cute.Tensor, factor: Float32, share: cute.Tensor, block: cut
     converted.store((S.load() * factor).to(share.element_type))
     R = cute.size(S) // CH
     if cutlass.const_expr(CH * share.element_type.width <= 128 or not STAGE):
-        cute.autovec_copy(converted, _view(dst, dst_offset + lane_offset, R, K, CH, min(CH, PER_COPY)))
+        cute.autovec_copy(converted, _lane_state(dst, dst_offset + lane_offset, R, K, CH, PIECE, G,
+                                                 min(PIECE, PER_COPY)))
     else:
         cute.autovec_copy(converted, share)
         cute.arch.sync_warp()
@@ -537,6 +584,98 @@ def _add_update(S: cute.Tensor, u: list, key: list, gamma: Float32, FOLD: cutlas
             S[r, c] = S[r, c] + ur * key[c]
 
 
+@cute.jit
+def _quad_transpose(dots: list, part: Int32) -> list:
+    """Within each quad of lanes (the four lanes of an mma.sync row group): from dots[r][j], the
+    quad's four columns r with this lane's two products n = 2 part + j, to the eight products
+    n = 0..7 of column r = part. Two butterfly rounds of four shuffles: lanes part and part ^ 2
+    trade the two columns they do not keep, then part and part ^ 1 the one."""
+    upper = (part & 2) != 0
+    halves = []  # columns 2 bit1(part) + i: this lane's n, then those of lane part ^ 2
+    for i in cutlass.range_constexpr(2):
+        keep = [cutlass.select_(upper, dots[2 + i][j], dots[i][j]) for j in range(2)]
+        send = [cutlass.select_(upper, dots[i][j], dots[2 + i][j]) for j in range(2)]
+        halves.append(keep + [cute.arch.shuffle_sync_bfly(x, offset=2) for x in send])
+    odd = (part & 1) != 0
+    keep = [cutlass.select_(odd, halves[1][e], halves[0][e]) for e in range(4)]
+    send = [cutlass.select_(odd, halves[0][e], halves[1][e]) for e in range(4)]
+    # the products of lanes part, part ^ 2, part ^ 1 and part ^ 3, two each
+    pieces = keep + [cute.arch.shuffle_sync_bfly(x, offset=1) for x in send]
+    ordered = []
+    for source in cutlass.range_constexpr(4):
+        which = source ^ part  # 0, 2, 1, 3 -> pieces 0, 1, 2, 3
+        for j in cutlass.range_constexpr(2):
+            ordered.append(cutlass.select_(which == 0, pieces[j], cutlass.select_(
+                which == 2, pieces[2 + j], cutlass.select_(which == 1, pieces[4 + j], pieces[6 + j]))))
+    return ordered
+
+
+@cute.jit
+def _tensor_core_dots(S: cute.Tensor, prepared: cute.Tensor, lane: Int32, T: cutlass.Constexpr[int],
+                      DELTA: cutlass.Constexpr[bool], KD_VECTOR: cutlass.Constexpr[int],
+                      QD_VECTOR: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
+                      CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int]):
+    """The deferred verify's 2T dot products of its state columns with Gamma_t k_t and Gamma_t q_t
+    on the tensor cores, for a bfloat16 pool (R = G = 4): (k_dots [T] or [], q_dots [T]) of this
+    lane's column ``part`` (lane % 4, ``_writer_row``) of its group's four.
+
+    The state S0 the verify reads is exactly bfloat16 (the pool's values, or the pending commit's
+    result rounded to them), so a warp's [32 columns, K] block is an mma.sync A operand as it is
+    (m16n8k16, float32 accumulation). The dots' vectors (n = t for Gamma_t k_t, T + t for
+    Gamma_t q_t, up to 16) are the B operand, each split exactly into three bfloat16 parts (24
+    significant bits, float32's): the products are those of float32 arithmetic. The K order of an
+    mma tile is free as long as A and B agree, so lane part's k indices of tile kt are channels
+    4 kt .. 4 kt + 3 of its own share, and S stays in the registers the loads filled (R x CH).
+    Rows: a tile's row g (+ 8) is column 2 mt (+ 1) of group g (two tiles), so a lane's
+    accumulators hold its group's four columns, two n each; ``_quad_transpose`` gathers a column's."""
+    mma = cute.make_tiled_mma(MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    thr = mma.get_slice(lane)
+    group = lane // G
+    part = lane % G
+    TILES_K = CH // 4
+    # A fragment element i = v0 + 2 v1 + 4 v2: tile row g + 8 v1, k index 2 part + v0 + 8 v2
+    TILES_M = cute.size(S) // CH // 2
+    state = []
+    for mt in cutlass.range_constexpr(TILES_M):
+        row = []
+        for kt in cutlass.range_constexpr(TILES_K):
+            fragment = mma.make_fragment_A(thr.partition_shape_A((16, 16)))
+            for i in cutlass.range_constexpr(8):
+                fragment[i] = BFloat16(S[2 * mt + (i >> 1) % 2, 4 * kt + 2 * (i >> 2) + i % 2])
+            row.append(fragment)
+        state.append(row)
+    KEYS = T if DELTA else 0
+    DOTS = KEYS + T
+    dots = []
+    for nt in cutlass.range_constexpr((DOTS + 7) // 8):
+        n = nt * 8 + group  # this lane's B column
+        is_key = n < KEYS
+        token = cutlass.min(cutlass.select_(is_key, n, n - KEYS), Int32(T - 1))
+        vector = cutlass.select_(is_key, Int32(KD_VECTOR), Int32(QD_VECTOR))
+        run = _registers(_view(prepared.iterator, _prep_index(token, vector, part * CH, VECTORS, G, CH, PAD), 1, 0,
+                               CH, 4))
+        rest = [cutlass.select_(n < DOTS, run[0, c], Float32(0.0)) for c in range(CH)]
+        accumulators = []
+        for mt in cutlass.range_constexpr(TILES_M):
+            accumulator = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
+            accumulator.fill(0.0)
+            accumulators.append(accumulator)
+        for _ in cutlass.range_constexpr(3):
+            split = [BFloat16(x) for x in rest]
+            rest = [rest[c] - Float32(split[c]) for c in range(CH)]
+            for kt in cutlass.range_constexpr(TILES_K):
+                # B fragment element i: k index 2 part + i % 2 + 8 (i // 2), channel 4 kt + i
+                fragment = mma.make_fragment_B(thr.partition_shape_B((8, 16)))
+                for i in cutlass.range_constexpr(4):
+                    fragment[i] = split[4 * kt + i]
+                for mt in cutlass.range_constexpr(TILES_M):
+                    cute.gemm(mma, accumulators[mt], state[mt][kt], fragment, accumulators[mt])
+        # C fragment element i = j + 2 h: tile row g + 8 h (column 2 mt + h), n = 2 part + j
+        dots = dots + _quad_transpose([[accumulators[r // 2][2 * (r % 2) + j] for j in range(2)]
+                                       for r in range(2 * TILES_M)], part)
+    return dots[:KEYS], dots[KEYS:DOTS]
+
+
 # ------------------------------------------------------------------------------------------------
 # the kernel
 
@@ -554,16 +693,21 @@ def _recurrent_kernel(
     OP: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int],
     HAS_DT_BIAS: cutlass.Constexpr[bool], QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
     SAVED_U: cutlass.Constexpr[bool], VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
-    STAGE: cutlass.Constexpr[bool],
+    STAGE: cutlass.Constexpr[bool], TENSOR_CORES: cutlass.Constexpr[bool],
 ):
     VEC = K // 32  # a lane's channels while preparing the tokens (32 lanes over K)
     CH = K // G  # a lane's channels of the state (G lanes over K)
+    # A tensor-core verify's lane holds 16-byte pieces of its channels, G pieces apart, so that the
+    # four lanes of a quad read whole sectors (H200, deferred verify + commit, bfloat16, B = 256:
+    # GDN 266.6 -> 251.3 us, KDA 280.4 -> 270.6 against one run of CH per lane); else one run.
+    PIECE = min(CH, 8) if TENSOR_CORES else CH
     COLS = R * (32 // G)  # state columns per warp
     DELTA = FAMILY != LIGHTNING
     FOLD = FAMILY != KDA  # a scalar decay: folded into per-token factors instead of scaling the state
     WITH_Q = OP != OP_COMMIT
     KNOWN_U = not DELTA or (OP == OP_COMMIT and SAVED_U)  # u needs no reduction: v (Lightning) or saved
     lane = cute.arch.thread_idx()[0] % 32
+    c0 = _physical_channel(lane * VEC, G, CH, PIECE)  # the first of the channels this lane prepares
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     # a one-axis grid, the V-tile fastest: CTAs launched together read neighbouring pieces of a state
     TILES = V // (COLS * WARPS)
@@ -584,12 +728,12 @@ def _recurrent_kernel(
     # DRAM round trips): the tokens this warp prepares (t = warp, warp + WARPS, ...), and the
     # values of this lane's columns (v, or the saved u of a commit).
     TOKENS_PER_WARP = (T + WARPS - 1) // WARPS
-    raw = [_token_inputs(q, k, g, beta, i_n, cutlass.min(warp + j * WARPS, Int32(T - 1)), i_h, i_hv, lane * VEC,
+    raw = [_token_inputs(q, k, g, beta, i_n, cutlass.min(warp + j * WARPS, Int32(T - 1)), i_h, i_hv, c0,
                          VEC, OP, FAMILY, SAVED_U) for j in range(TOKENS_PER_WARP)]
     COMMIT_FIRST = TP > 0  # a deferred verify that first commits the previous verify's accepted tokens
     PENDING_PER_WARP = (TP + WARPS - 1) // WARPS
     pending_raw = [_token_inputs(q, pending_k, pending_g, beta, i_n, cutlass.min(warp + j * WARPS, Int32(TP - 1)),
-                                 i_h, i_hv, lane * VEC, VEC, OP_COMMIT, FAMILY, True) for j in range(PENDING_PER_WARP)]
+                                 i_h, i_hv, c0, VEC, OP_COMMIT, FAMILY, True) for j in range(PENDING_PER_WARP)]
     pending_values = [[Float32(pending_u[i_n, t, i_hv, col0 + r]) for r in range(R)] for t in range(TP)]
     values_src = saved_u if cutlass.const_expr(OP == OP_COMMIT and SAVED_U) else v
     if cutlass.const_expr(OP == OP_DEFERRED):
@@ -606,7 +750,7 @@ def _recurrent_kernel(
     bias = [Float32(0.0) for _ in range(VEC)]
     if cutlass.const_expr(HAS_DT_BIAS):
         if cutlass.const_expr(FAMILY == KDA):
-            bias = [Float32(dt_bias[i_hv, lane * VEC + c]) for c in range(VEC)]
+            bias = [Float32(dt_bias[i_hv, c0 + c]) for c in range(VEC)]
         else:
             bias = [Float32(dt_bias[i_hv, 0]) for _ in range(VEC)]
     if cutlass.const_expr(OP == OP_SLOTS):
@@ -645,7 +789,7 @@ def _recurrent_kernel(
         pending_scalars = smem.allocate_tensor(Float32, cute.make_layout(2 * TP), 16)
 
     head_offset = Int64((i_hv * V + v0) * K)  # this warp's block of COLS columns, contiguous
-    lane_offset = group * R * K + part * CH  # where this lane's first run starts in the block
+    lane_offset = group * R * K + part * PIECE  # where this lane's first run (piece) starts in the block
     warp_block = cute.make_tensor(staged.iterator + cute.assume(warp * (COLS * COL_STRIDE), divby=UNIT),
                                   cute.make_layout(COLS * COL_STRIDE))
     share = _view(warp_block.iterator, group * R * COL_STRIDE + part * (CH + PAD), R, COL_STRIDE, CH, min(CH, UNIT))
@@ -674,7 +818,10 @@ def _recurrent_kernel(
         else:
             # straight into registers: a lane's runs are whole 16-byte units, and the L1 serves
             # the other halves of the sectors the warp's neighbouring loads touched
-            S = _registers(_view(pool, block + lane_offset, R, K, CH, min(CH, UNIT) if VECTOR_POOL else 1))
+            # (a tensor-core verify keeps the pool's bfloat16, its products' A operand, unless it
+            # commits first in float32)
+            S = (_raw_registers if cutlass.const_expr(TENSOR_CORES and not COMMIT_FIRST) else _registers)(
+                _lane_state(pool, block + lane_offset, R, K, CH, PIECE, G, min(PIECE, UNIT) if VECTOR_POOL else 1))
 
         # Prepare the tokens once per CTA (norms, gates, beta) into shared memory, each vector laid
         # out as G runs of CH channels (the lanes' shares), padded against bank conflicts.
@@ -729,7 +876,7 @@ def _recurrent_kernel(
             S.store((S.load() * factor).to(state_type).to(Float32))
             if pending_count > 0:
                 _store_state(S, Float32(1.0), share, warp_block, pool, block, lane, lane_offset, K, CH, PAD, per_copy,
-                             STAGE)
+                             STAGE, PIECE, G)
 
         if cutlass.const_expr(DEFERRED):
             # No state is written: every output follows from 2T dot products with S0 and the
@@ -739,12 +886,16 @@ def _recurrent_kernel(
             # The dot products are independent (no token waits for the previous one's update).
             k_dots = []
             q_dots = []
-            for t in cutlass.range_constexpr(T):
-                if cutlass.const_expr(DELTA):
-                    key = _prepared_run(prepared, t, KD_VECTOR, part, VECTORS, G, CH, PREP_PAD)
-                    k_dots.append(_scatter_sum(_row_partials(S, key, R, CH), lane, G))
-                query = _prepared_run(prepared, t, QD_VECTOR, part, VECTORS, G, CH, PREP_PAD)
-                q_dots.append(_scatter_sum(_row_partials(S, query, R, CH), lane, G))
+            if cutlass.const_expr(TENSOR_CORES):
+                k_dots, q_dots = _tensor_core_dots(S, prepared, lane, T, DELTA, KD_VECTOR, QD_VECTOR, VECTORS, G, CH,
+                                                   PREP_PAD)
+            else:
+                for t in cutlass.range_constexpr(T):
+                    if cutlass.const_expr(DELTA):
+                        key = _prepared_run(prepared, t, KD_VECTOR, part, VECTORS, G, CH, PREP_PAD)
+                        k_dots.append(_scatter_sum(_row_partials(S, key, R, CH), lane, G))
+                    query = _prepared_run(prepared, t, QD_VECTOR, part, VECTORS, G, CH, PREP_PAD)
+                    q_dots.append(_scatter_sum(_row_partials(S, query, R, CH), lane, G))
             us = []
             for t in cutlass.range_constexpr(T):
                 u_t = values[t][0]
@@ -788,17 +939,17 @@ def _recurrent_kernel(
                     if cutlass.const_expr(OP == OP_BUFFER):
                         _store_state(S, gamma[t], share, warp_block, buffer,
                                      buffer_row * stride_buf_r + t * stride_buf_t + head_offset, lane, lane_offset,
-                                     K, CH, PAD, per_copy, STAGE)
+                                     K, CH, PAD, per_copy, STAGE, PIECE, G)
                     if cutlass.const_expr(OP == OP_SLOTS):
                         token_slot = Int64(state_indices[i_n, t])
                         if token_slot >= 0:
                             _store_state(S, gamma[t], share, warp_block, pool, token_slot * stride_pool + head_offset,
-                                         lane, lane_offset, K, CH, PAD, per_copy, STAGE)
+                                         lane, lane_offset, K, CH, PAD, per_copy, STAGE, PIECE, G)
 
         if cutlass.const_expr(OP == OP_DECODE or OP == OP_COMMIT):
             if count > 0:
                 _store_state(S, _pick(gamma, count - 1), share, warp_block, pool, block, lane, lane_offset,
-                             K, CH, PAD, per_copy, STAGE)
+                             K, CH, PAD, per_copy, STAGE, PIECE, G)
     else:
         # padding: zero outputs (and zero saved u), no state traffic
         if lane < COLS:
@@ -829,7 +980,7 @@ def _launch(
     OP: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int],
     HAS_DT_BIAS: cutlass.Constexpr[bool], QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
     SAVED_U: cutlass.Constexpr[bool], VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
-    STAGE: cutlass.Constexpr[bool],
+    STAGE: cutlass.Constexpr[bool], TENSOR_CORES: cutlass.Constexpr[bool],
 ):
     """Views of the raw pointers (per-token tensors as [N, T, heads, D], D's stride 1 or, for a
     per-head scalar, 0; the pending commit's as [N, TP, heads, D]) and the launch."""
@@ -859,7 +1010,7 @@ def _launch(
         pool_ptr, stride_pool, buffer_ptr, stride_buf_r, stride_buf_t,
         state_indices, num_accepted, buffer_rows, scale, lower_bound,
         T, TP, H, HV, K, V, R, G, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS,
-        STAGE,
+        STAGE, TENSOR_CORES,
     ).launch(grid=(N * HV * (V // columns_per_cta), 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
 
 
@@ -902,10 +1053,12 @@ def _compiled(dtypes: tuple, constexprs: tuple) -> FastLaunch:
 
 
 def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype,
-                 kda_commit_first: bool = False) -> tuple[int, int, int, bool]:
-    """(R, G, WARPS, STAGE): a lane's state columns, the lanes sharing a column (each holds K / G
-    of its channels), the warps of a CTA (R * 32 / G * WARPS columns per CTA, at most V), and
-    whether the state passes through shared memory (``_recurrent_kernel``).
+                 kda_commit_first: bool = False, tensor_cores: bool = False) -> tuple[int, int, int, bool, bool]:
+    """(R, G, WARPS, STAGE, TENSOR_CORES): a lane's state columns, the lanes sharing a column (each
+    holds K / G of its channels), the warps of a CTA (R * 32 / G * WARPS columns per CTA, at most V),
+    whether the state passes through shared memory (``_recurrent_kernel``), and whether a deferred
+    verify's dot products run on the tensor cores (``_tensor_core_dots``: R = G = 4), where
+    ``tensor_cores`` allows it (a delta-rule verify without a pending commit).
 
     Measured on an H200 (CUDA-graph replay, L2 flushed, K = V = 128, B = 64, T = 4, 2026-11-24;
     times in us for GDN / KDA / Lightning):
@@ -923,10 +1076,15 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
       B = 64, T = 4 after T = 4): R4 G8 W4 unstaged 80.1 us against 85.3 for R8 G16 W4 (W8 81.0,
       staged 90.8, others 99-110); with a float32 pool and for GDN R8 G16 W4 stays best (KDA
       122.6 against 125.3-149.0; GDN bfloat16 72.9 against 73.8-93.7).
+    - the tensor-core deferred verify (bfloat16, T = 4 then a separate commit, B = 64 / 256, GDN):
+      R4 G4 W4 75.1 / 251.3 us, R2 G4 W4 83.7 / 303.2, R2 G4 W8 83.2 / 289.3 (R4 G4 W2 87.3 / 293.5
+      before the 16-byte pieces, when W4 took 74.7 / 266.6).
     - a few sequences (fewer than 2048 heads): many small CTAs, state staged (its cp.async goes
       out right after the slot: one DRAM round trip less at B = 1); decode at B = 1 took 7.1 us
       with R2 G32 W4 against 7.5 with R1 (the first version of this kernel).
     """
+    if tensor_cores and op == "deferred" and state_dtype == torch.bfloat16 and N * HV >= 2048 and K <= 128 and V >= 32:
+        return 4, 4, min(4, V // 32), False, True
     stage = True
     if N * HV < 2048:
         rows, lanes, warps = (1, 4, 4) if op == "deferred" else (2, 32, 4)
@@ -949,7 +1107,7 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
         else:
             lanes *= 2
     rows = min(rows, lanes)  # a reduce-scatter of R sums needs R <= G lanes
-    return rows, lanes, warps, stage
+    return rows, lanes, warps, stage, False
 
 
 def _vector_pool(*states: torch.Tensor | None) -> bool:
@@ -968,7 +1126,7 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     """Run the recipe's recurrence over T tokens of N sequences against the state pool.
 
     Arguments as for ``recurrent_triton.delta_rule_recurrent`` (Lightning: g is the decay [HV] and
-    beta None); ``shape`` (R, G, WARPS, STAGE) overrides ``launch_shape`` (benchmark sweeps). K must be
+    beta None); ``shape`` (R, G, WARPS, STAGE, TENSOR_CORES) overrides ``launch_shape`` (benchmark sweeps). K must be
     32, 64, 128 or 256 and V a power of two from 16.
 
     ``pending`` (op "deferred" only): (k, g, u) of a previous deferred verify of TP tokens of the
@@ -1000,8 +1158,14 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     A_log = None if gate is None else gate.A_log.contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     buffer = intermediate_states if op == "buffer" else None
-    rows, lanes, warps, stage = shape or launch_shape(op, N, HV, K, V, T, state_pool.dtype,
-                                                      kda_commit_first=family == KDA and TP > 0)
+    rows, lanes, warps, stage, tensor_cores = shape or launch_shape(
+        op, N, HV, K, V, T, state_pool.dtype, kda_commit_first=family == KDA and TP > 0,
+        tensor_cores=family != LIGHTNING and TP == 0)
+    if tensor_cores and ((rows, lanes, stage) != (4, 4, False) or op != "deferred" or family == LIGHTNING
+                         or state_pool.dtype != torch.bfloat16 or K % 16 or K > 128):
+        raise ValueError("shape: the tensor-core deferred verify needs R = G = 4 unstaged, a delta rule, a bfloat16 "
+                         f"pool and K a multiple of 16 up to 128; got {shape} for {recipe.mode}, {state_pool.dtype}, "
+                         f"K = {K}")
     indices = state_indices if state_indices.dim() == 2 else state_indices[:, None]
 
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta, o=target, saved_u=saved_u, A_log=A_log, dt_bias=dt_bias,
@@ -1017,7 +1181,7 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                   ("HAS_DT_BIAS", dt_bias is not None), ("QK_L2NORM", recipe.qk_l2norm),
                   ("BETA_LOGITS", recipe.beta_logits), ("SAVED_U", saved_u is not None),
                   ("VECTOR_POOL", _vector_pool(state_pool, buffer)), ("WARPS", warps),
-                  ("STAGE", stage))
+                  ("STAGE", stage), ("TENSOR_CORES", tensor_cores))
     compiled = _compiled(dtypes, constexprs)
     addresses = [0 if tensors[name] is None else tensors[name].data_ptr() for name in _POINTERS]
     buffer_strides = buffer.stride()[:2] if buffer is not None else (0, 0)

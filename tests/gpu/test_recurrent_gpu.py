@@ -330,6 +330,45 @@ def test_verify_with_pending_strong_decays(mode, backend, monkeypatch):
     _check_pending_step(mode, first, second, accepted, torch.float32, backend, monkeypatch, B, 29)
 
 
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_deferred_verify_on_tensor_cores(mode, tokens, monkeypatch):
+    """From 2048 heads a cute deferred verify of a bfloat16 pool takes its dot products with the
+    state on the tensor cores (``recurrent_cute._tensor_core_dots``: one, a padded and two full
+    mma column tiles for T = 1, 3, 8), here with prepared log decays near -25 on token 1. Against
+    the float64 oracle (through the next verify, which commits it first), and against the same
+    kernel's reductions (both float32 products of the same bfloat16 state) within a few roundings."""
+    if dispatch.backend_status("cute", DEVICE)[0] is None:
+        pytest.skip("cute backend unavailable")
+    from cula_serve.kernels.delta_rule import recurrent_cute
+    B, shape = 64, SHAPES[mode]
+    assert recurrent_cute.launch_shape("deferred", B, shape["HV"], shape["K"], shape["V"], tokens, torch.bfloat16,
+                                       tensor_cores=True)[4], "this shape should run on the tensor cores"
+    cpu_gen = torch.Generator().manual_seed(31 + tokens)
+    first = _layer_inputs(mode, B, tokens, cpu_gen, fused_gate=False)
+    second = _layer_inputs(mode, B, tokens, cpu_gen, fused_gate=False)
+    for kw in (first, second):
+        if tokens > 1:
+            kw["g"][:, 1] -= 25.0
+    accepted = (torch.arange(B, dtype=torch.int32) % (tokens + 1)).to(DEVICE)
+    backend = dict(backend="cute")
+    _check_pending_step(mode, first, second, accepted, torch.bfloat16, backend, monkeypatch, B, 61 + tokens)
+
+    slots, P = _slots(B, _generators(71)[0])
+    pool = _pool(P, shape, torch.bfloat16, slots, _generators(71)[1])
+    q, k, v, rest = _split(first)
+    results = []
+    for tensor_cores in (True, False):
+        with monkeypatch.context() as patched:
+            launch_shape = recurrent_cute.launch_shape
+            patched.setattr(recurrent_cute, "launch_shape", lambda *args, **kwargs: launch_shape(
+                *args, **{**kwargs, "tensor_cores": tensor_cores and kwargs["tensor_cores"]}))
+            o, pending = cula_verify(q, k, v, pool, mode=mode, state_indices=slots, **rest, **backend)
+        results.append((o, pending.saved))
+    for mine, theirs, what in zip(*results, ("outputs", "saved u")):
+        assert_close(mine, theirs, SEPARATE_TOLERANCE, f"tensor cores against reductions: {what}")
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA graphs: capture once, replay with new inputs
 
