@@ -108,7 +108,7 @@ dtypes = (bf16, bf16, bf16, f32, bf16, bf16, f32, f32, f32, f32, f32, i32, i32, 
 constexprs = (("T", 4), ("TP", 0), ("H", H), ("HV", HV), ("K", D), ("V", D), ("R", 8), ("G", 16), ("OP", 3),
               ("FAMILY", 0), ("GATE", recurrent_cute.GATE_SOFTPLUS), ("HAS_DT_BIAS", True), ("QK_L2NORM", True),
               ("BETA_LOGITS", True), ("SAVED_U", True), ("VECTOR_POOL", True), ("WARPS", 4), ("STAGE", False),
-              ("TENSOR_CORES", False))
+              ("TENSOR_CORES", False), ("MIN_CTAS", 0))
 launch = recurrent_cute._compiled(dtypes, constexprs)
 addresses = [0x7F0000100000 + 65536 * i for i in range(len(dtypes))]
 scalars = [64, 1, *range(100, 135), 0.08838, -5.0]

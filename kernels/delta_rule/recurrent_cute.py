@@ -49,16 +49,19 @@ token's update: the sequential form was latency-bound, 89 us against 65 now at B
 an H200); A and B are computed once per CTA (``_pair_coefficients``) and the per-column
 triangular recurrence is T^2 scalar steps on the lane that holds the column's sums.
 
-Tensor cores. A bfloat16 pool's state is exactly bfloat16, so from 2048 heads a delta-rule deferred
-verify without a pending commit takes its 2T dot products on the tensor cores (``_tensor_core_dots``,
-R = G = 4: mma.sync with the state as the A operand where the loads put it, the decayed keys and
-queries split into three bfloat16 parts, so float32 products) instead of 2T reduce-scatters per
-lane. Its lanes hold their channels in 16-byte pieces (``_lane_state``), so that a quad's loads
-cover whole sectors. H200, T = 4 verify then a separate commit, us, reductions -> tensor cores:
-GDN B = 64 84.3 -> 75.1, B = 256 305.9 -> 251.3; KDA 93.6 -> 81.3, 332.8 -> 270.6. With a pending
-commit first it lost (GDN B = 64 67.0 against 74.6, B = 256 241.8 against 261.8; KDA 74.7 / 75.4):
-the commit needs the share in float32 (R x CH registers: 219 a thread, two CTAs an SM), and a
-commit a piece at a time (193 registers) gained no more than 2% for KDA and lost for GDN.
+Tensor cores. A bfloat16 pool's state is exactly bfloat16, so from 2048 heads a deferred verify
+(GDN without a pending commit, KDA with or without) takes its 2T dot products on the tensor cores
+(``_tensor_core_dots``, R = G = 4: mma.sync with the state as the A operand where the loads put
+it, the decayed keys and queries split into three bfloat16 parts, so float32 products) instead of
+2T reduce-scatters per lane. Its lanes hold their channels in 16-byte pieces (``_lane_state``), so
+that a quad's loads cover whole sectors, and ptxas is told how many CTAs an SM must fit
+(``launch_shape``'s MIN_CTAS). H200, T = 4, us, reductions -> tensor cores (-> capped registers):
+verify then a separate commit, GDN B = 64 84.0 -> 75.2 -> 73.8, B = 256 299.2 -> 252.9 -> 242.7;
+KDA 93.2 -> 81.1 -> 79.3, 325.2 -> 274.8 -> 264.2; KDA with a pending commit 74.5 -> 75.1 -> 67.3
+(three CTAs an SM: the float32 share of the commit takes 219 registers uncapped, two CTAs),
+257.7 -> 253.3 -> 226.2. GDN with a pending commit keeps the reductions (67.5 against 74.6 and,
+capped for three CTAs, 73.6). A commit a piece at a time (193 registers uncapped) and buffer /
+slots verifies in the WY form on the tensor cores (255 registers) did not pay.
 
 Memory. With STAGE the state goes through shared memory by cp.async (coalesced, issued as soon
 as the slot is known, awaited only after the tokens are prepared: a plain register load was
@@ -980,7 +983,7 @@ def _launch(
     OP: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], GATE: cutlass.Constexpr[int],
     HAS_DT_BIAS: cutlass.Constexpr[bool], QK_L2NORM: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
     SAVED_U: cutlass.Constexpr[bool], VECTOR_POOL: cutlass.Constexpr[bool], WARPS: cutlass.Constexpr[int],
-    STAGE: cutlass.Constexpr[bool], TENSOR_CORES: cutlass.Constexpr[bool],
+    STAGE: cutlass.Constexpr[bool], TENSOR_CORES: cutlass.Constexpr[bool], MIN_CTAS: cutlass.Constexpr[int],
 ):
     """Views of the raw pointers (per-token tensors as [N, T, heads, D], D's stride 1 or, for a
     per-head scalar, 0; the pending commit's as [N, TP, heads, D]) and the launch."""
@@ -1011,7 +1014,8 @@ def _launch(
         state_indices, num_accepted, buffer_rows, scale, lower_bound,
         T, TP, H, HV, K, V, R, G, OP, FAMILY, GATE, HAS_DT_BIAS, QK_L2NORM, BETA_LOGITS, SAVED_U, VECTOR_POOL, WARPS,
         STAGE, TENSOR_CORES,
-    ).launch(grid=(N * HV * (V // columns_per_cta), 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
+    ).launch(grid=(N * HV * (V // columns_per_cta), 1, 1), block=(32 * WARPS, 1, 1), stream=stream,
+             min_blocks_per_mp=MIN_CTAS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1053,12 +1057,14 @@ def _compiled(dtypes: tuple, constexprs: tuple) -> FastLaunch:
 
 
 def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype,
-                 kda_commit_first: bool = False, tensor_cores: bool = False) -> tuple[int, int, int, bool, bool]:
-    """(R, G, WARPS, STAGE, TENSOR_CORES): a lane's state columns, the lanes sharing a column (each
-    holds K / G of its channels), the warps of a CTA (R * 32 / G * WARPS columns per CTA, at most V),
-    whether the state passes through shared memory (``_recurrent_kernel``), and whether a deferred
-    verify's dot products run on the tensor cores (``_tensor_core_dots``: R = G = 4), where
-    ``tensor_cores`` allows it (a delta-rule verify without a pending commit).
+                 kda_commit_first: bool = False,
+                 tensor_cores: bool = False) -> tuple[int, int, int, bool, bool, int]:
+    """(R, G, WARPS, STAGE, TENSOR_CORES, MIN_CTAS): a lane's state columns, the lanes sharing a
+    column (each holds K / G of its channels), the warps of a CTA (R * 32 / G * WARPS columns per
+    CTA, at most V), whether the state passes through shared memory (``_recurrent_kernel``),
+    whether a deferred verify's dot products run on the tensor cores (``_tensor_core_dots``: R = G
+    = 4) where ``tensor_cores`` allows it, and the CTAs an SM must fit (ptxas caps the registers
+    to fit them; 0: no cap).
 
     Measured on an H200 (CUDA-graph replay, L2 flushed, K = V = 128, B = 64, T = 4, 2026-11-24;
     times in us for GDN / KDA / Lightning):
@@ -1077,14 +1083,18 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
       staged 90.8, others 99-110); with a float32 pool and for GDN R8 G16 W4 stays best (KDA
       122.6 against 125.3-149.0; GDN bfloat16 72.9 against 73.8-93.7).
     - the tensor-core deferred verify (bfloat16, T = 4 then a separate commit, B = 64 / 256, GDN):
-      R4 G4 W4 75.1 / 251.3 us, R2 G4 W4 83.7 / 303.2, R2 G4 W8 83.2 / 289.3 (R4 G4 W2 87.3 / 293.5
-      before the 16-byte pieces, when W4 took 74.7 / 266.6).
+      R4 G4 W4 75.4 / 251.4 us, W2 79.8 / 274.2, W1 85.7 / 310.1 (each CTA prepares the tokens
+      again), R2 G4 W4 83.7 / 303.2, R2 G4 W8 83.2 / 289.3; with four CTAs an SM (128 registers)
+      73.8 / 242.7, three 74.7 / 263.4. KDA with a pending commit: three CTAs 67.3 / 226.2, four
+      118.2 / 429.6 (spills), uncapped 75.1 / 253.3; W2 90.4, W1 94.6 at B = 64.
     - a few sequences (fewer than 2048 heads): many small CTAs, state staged (its cp.async goes
       out right after the slot: one DRAM round trip less at B = 1); decode at B = 1 took 7.1 us
       with R2 G32 W4 against 7.5 with R1 (the first version of this kernel).
     """
     if tensor_cores and op == "deferred" and state_dtype == torch.bfloat16 and N * HV >= 2048 and K <= 128 and V >= 32:
-        return 4, 4, min(4, V // 32), False, True
+        # four CTAs an SM (128 registers); a commit first's float32 share takes 219 (two CTAs), so
+        # capped for three (at 128 it spills)
+        return 4, 4, min(4, V // 32), False, True, 3 if kda_commit_first else 4
     stage = True
     if N * HV < 2048:
         rows, lanes, warps = (1, 4, 4) if op == "deferred" else (2, 32, 4)
@@ -1107,7 +1117,7 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
         else:
             lanes *= 2
     rows = min(rows, lanes)  # a reduce-scatter of R sums needs R <= G lanes
-    return rows, lanes, warps, stage, False
+    return rows, lanes, warps, stage, False, 0
 
 
 def _vector_pool(*states: torch.Tensor | None) -> bool:
@@ -1126,8 +1136,8 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     """Run the recipe's recurrence over T tokens of N sequences against the state pool.
 
     Arguments as for ``recurrent_triton.delta_rule_recurrent`` (Lightning: g is the decay [HV] and
-    beta None); ``shape`` (R, G, WARPS, STAGE, TENSOR_CORES) overrides ``launch_shape`` (benchmark sweeps). K must be
-    32, 64, 128 or 256 and V a power of two from 16.
+    beta None); ``shape`` (R, G, WARPS, STAGE, TENSOR_CORES, MIN_CTAS) overrides ``launch_shape``
+    (benchmark sweeps). K must be 32, 64, 128 or 256 and V a power of two from 16.
 
     ``pending`` (op "deferred" only): (k, g, u) of a previous deferred verify of TP tokens of the
     same N rows and slots, with the same recipe, committed before this verify in the same kernel
@@ -1158,9 +1168,10 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     A_log = None if gate is None else gate.A_log.contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     buffer = intermediate_states if op == "buffer" else None
-    rows, lanes, warps, stage, tensor_cores = shape or launch_shape(
+    # (GDN's verify that commits first stays on the reductions: 67.5 us against 73.6 at B = 64)
+    rows, lanes, warps, stage, tensor_cores, min_ctas = shape or launch_shape(
         op, N, HV, K, V, T, state_pool.dtype, kda_commit_first=family == KDA and TP > 0,
-        tensor_cores=family != LIGHTNING and TP == 0)
+        tensor_cores=family == KDA or (family == GDN and TP == 0))
     if tensor_cores and ((rows, lanes, stage) != (4, 4, False) or op != "deferred" or family == LIGHTNING
                          or state_pool.dtype != torch.bfloat16 or K % 16 or K > 128):
         raise ValueError("shape: the tensor-core deferred verify needs R = G = 4 unstaged, a delta rule, a bfloat16 "
@@ -1181,7 +1192,7 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
                   ("HAS_DT_BIAS", dt_bias is not None), ("QK_L2NORM", recipe.qk_l2norm),
                   ("BETA_LOGITS", recipe.beta_logits), ("SAVED_U", saved_u is not None),
                   ("VECTOR_POOL", _vector_pool(state_pool, buffer)), ("WARPS", warps),
-                  ("STAGE", stage), ("TENSOR_CORES", tensor_cores))
+                  ("STAGE", stage), ("TENSOR_CORES", tensor_cores), ("MIN_CTAS", min_ctas))
     compiled = _compiled(dtypes, constexprs)
     addresses = [0 if tensors[name] is None else tensors[name].data_ptr() for name in _POINTERS]
     buffer_strides = buffer.stride()[:2] if buffer is not None else (0, 0)
