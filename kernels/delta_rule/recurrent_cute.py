@@ -415,11 +415,11 @@ def _prep_index(t, vector, channel, VECTORS: cutlass.Constexpr[int], G: cutlass.
 
 
 @cute.jit
-def _prepared_run(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], part: Int32,
+def _prepared_run(prepared: cute.Tensor, t, vector, part: Int32,
                   VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
                   PAD: cutlass.Constexpr[int]) -> list:
     """A state lane's CH channels (its ``part`` of G) of prepared vector ``vector`` of token t,
-    in registers."""
+    in registers (t and vector may be runtime values)."""
     run = _registers(_view(prepared.iterator, _prep_index(t, vector, part * CH, VECTORS, G, CH, PAD), 1, 0, CH, 4))
     return [run[0, c] for c in range(CH)]
 
@@ -655,9 +655,8 @@ def _tensor_core_dots(S: cute.Tensor, prepared: cute.Tensor, lane: Int32, T: cut
         is_key = n < KEYS
         token = cutlass.min(cutlass.select_(is_key, n, n - KEYS), Int32(T - 1))
         vector = cutlass.select_(is_key, Int32(KD_VECTOR), Int32(QD_VECTOR))
-        run = _registers(_view(prepared.iterator, _prep_index(token, vector, part * CH, VECTORS, G, CH, PAD), 1, 0,
-                               CH, 4))
-        rest = [cutlass.select_(n < DOTS, run[0, c], Float32(0.0)) for c in range(CH)]
+        run = _prepared_run(prepared, token, vector, part, VECTORS, G, CH, PAD)
+        rest = [cutlass.select_(n < DOTS, run[c], Float32(0.0)) for c in range(CH)]
         accumulators = []
         for mt in cutlass.range_constexpr(TILES_M):
             accumulator = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
