@@ -50,18 +50,21 @@ an H200); A and B are computed once per CTA (``_pair_coefficients``) and the per
 triangular recurrence is T^2 scalar steps on the lane that holds the column's sums.
 
 Tensor cores. A bfloat16 pool's state is exactly bfloat16, so from 2048 heads a deferred verify
-(GDN without a pending commit, KDA with or without) takes its 2T dot products on the tensor cores
-(``_tensor_core_dots``, R = G = 4: mma.sync with the state as the A operand where the loads put
-it, the decayed keys and queries split into three bfloat16 parts, so float32 products) instead of
-2T reduce-scatters per lane. Its lanes hold their channels in 16-byte pieces (``_lane_state``), so
-that a quad's loads cover whole sectors, and ptxas is told how many CTAs an SM must fit
-(``launch_shape``'s MIN_CTAS). H200, T = 4, us, reductions -> tensor cores (-> capped registers):
-verify then a separate commit, GDN B = 64 84.0 -> 75.2 -> 73.8, B = 256 299.2 -> 252.9 -> 242.7;
-KDA 93.2 -> 81.1 -> 79.3, 325.2 -> 274.8 -> 264.2; KDA with a pending commit 74.5 -> 75.1 -> 67.3
-(three CTAs an SM: the float32 share of the commit takes 219 registers uncapped, two CTAs),
-257.7 -> 253.3 -> 226.2. GDN with a pending commit keeps the reductions (67.5 against 74.6 and,
-capped for three CTAs, 73.6). A commit a piece at a time (193 registers uncapped) and buffer /
-slots verifies in the WY form on the tensor cores (255 registers) did not pay.
+(GDN or KDA) takes its 2T dot products on the tensor cores (``_tensor_core_dots``, R = G = 4:
+mma.sync with the state as the A operand where the loads put it, the decayed keys and queries
+split into three bfloat16 parts, so float32 products) instead of 2T reduce-scatters per lane, and
+so does its pending commit (``_tensor_core_commit``: the state tile is the accumulator, u and the
+decayed keys go in three bfloat16 parts, the products of parts packed into the k slots). Its
+lanes hold their channels in 16-byte pieces (``_lane_state``), so that a quad's loads cover whole
+sectors, and ptxas is told how many CTAs an SM must fit (``launch_shape``'s MIN_CTAS). H200,
+T = 4, us, reductions -> tensor cores (-> capped registers): verify then a separate commit, GDN
+B = 64 84.0 -> 75.2 -> 73.8, B = 256 299.2 -> 252.9 -> 242.7; KDA 93.2 -> 81.1 -> 79.3, 325.2 ->
+274.8 -> 264.2. With a pending commit (three CTAs an SM), its commit on the tensor cores and KDA's
+closed form spread over the warps: GDN 66.8 -> 58.5 at B = 64 (it had kept the reductions),
+238.1 -> 202.5 at B = 256; KDA (whose commit had run in float32 on the registers) 67.2 -> 58.9,
+227.6 -> 205.1; at T = 8 GDN 165.7 -> 98.1, KDA 159.4 -> 107.6 (B = 64). A commit a piece at a
+time in float32 (193 registers uncapped) and buffer / slots verifies in the WY form on the tensor
+cores (255 registers) did not pay.
 
 Memory. With STAGE the state goes through shared memory by cp.async (coalesced, issued as soon
 as the slot is known, awaited only after the tokens are prepared: a plain register load was
@@ -534,26 +537,98 @@ def _fold_factors(prepared: cute.Tensor, scalars: cute.Tensor, A: Float32, T: cu
     return gamma, applied
 
 
+# The tensor-core commit's products of bfloat16 parts (u part, key part), largest first: with three
+# parts each (``_bfloat16_parts``), the first six leave errors near 2^-24 of a term.
+COMMIT_PRODUCTS = ((0, 0), (0, 1), (1, 0), (0, 2), (2, 0), (1, 1), (1, 2), (2, 1))
+
+
+def _commit_packing(TP: int) -> tuple[int, int]:
+    """(GROUP, MMAS) of the tensor-core commit: the 16 k slots of an m16n8k16 product hold groups
+    of GROUP token slots (4 for up to 4 pending tokens, else 8), group q being product
+    COMMIT_PRODUCTS[q]; MMAS products per tile cover 8 (GROUP 4) or 6 (GROUP 8) of them."""
+    return (4, 2) if TP <= 4 else (8, 3)
+
+
 @cute.jit
-def _decayed_pending_keys(prepared: cute.Tensor, count: Int32, lane: Int32, TP: cutlass.Constexpr[int],
-                          VEC: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int],
-                          CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int]):
-    """KDA's pending commit of ``count`` accepted tokens in closed form (one warp, a lane per VEC
-    channels): with D_i = exp(g_i) per channel,
+def _commit_slot(part, e, v2: cutlass.Constexpr[int], j: cutlass.Constexpr[int], GROUP: cutlass.Constexpr[int]):
+    """(product group q, token t) behind the k slot 2 p + e + 8 v2 of the commit's mma j, for lane
+    part p (an A fragment's v0 or a B fragment's i % 2 is e)."""
+    slot = 2 * part + e + 8 * v2 + 16 * j
+    return slot // GROUP, slot % GROUP
+
+
+@cute.jit
+def _bfloat16_parts(x: Float32) -> list:
+    """Three bfloat16 values (as float32) summing to x up to 2^-27 of it."""
+    parts = []
+    for _ in cutlass.range_constexpr(3):
+        part = Float32(BFloat16(x))
+        parts.append(part)
+        x = x - part
+    return parts
+
+
+@cute.jit
+def _commit_operand_index(consumer, nt, j, v2, e, MMAS: cutlass.Constexpr[int]):
+    """Where the commit's B operand value of lane ``consumer``, column tile nt, mma j, slot
+    (v2, e) sits (``_tensor_core_commit``): [column tiles][32 lanes][MMAS][v2][e], bfloat16."""
+    return ((nt * 32 + consumer) * MMAS + j) * 4 + v2 * 2 + e
+
+
+@cute.jit
+def _decayed_pending_keys(prepared: cute.Tensor, scalars: cute.Tensor, operands: cute.Tensor, count: Int32,
+                          thread: Int32, THREADS: cutlass.Constexpr[int], TP: cutlass.Constexpr[int],
+                          K: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int],
+                          G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int],
+                          TENSOR_CORES: cutlass.Constexpr[bool]):
+    """The pending commit of ``count`` accepted tokens in closed form (THREADS threads, ``thread`` of
+    them, each on its own channels): with D_i = exp(g_i) (per channel for KDA, a scalar for GDN),
         S_count = Gamma S + sum_{s < count} (D_s' k_s) u_s^T,  Gamma = prod_{i < count} D_i,
         D_s' = prod_{s < i < count} D_i,
     so that the state takes one decay instead of one per token. Each token's k (vector 0) becomes
-    D_s' k_s and token 0's decay (vector 1) becomes Gamma; products of decays only (<= 1)."""
-    channels = [lane * VEC + c for c in range(VEC)]
-    after = [Float32(1.0) for _ in range(VEC)]  # the decays after token t, up to count - 1
-    for t in cutlass.range_constexpr(TP - 1, -1, -1):
-        key = _prepared_values(prepared, t, 0, channels, VECTORS, G, CH, PAD)
-        decay = _prepared_values(prepared, t, 1, channels, VECTORS, G, CH, PAD)
-        for c in cutlass.range_constexpr(VEC):
-            prepared[_prep_index(t, 0, channels[c], VECTORS, G, CH, PAD)] = key[c] * after[c]
-        after = [cutlass.select_(t < count, after[c] * decay[c], after[c]) for c in range(VEC)]
-    for c in cutlass.range_constexpr(VEC):
-        prepared[_prep_index(0, 1, channels[c], VECTORS, G, CH, PAD)] = after[c]
+    D_s' k_s, or with TENSOR_CORES goes as the commit's mma B operand into ``operands``
+    (``_tensor_core_commit``; zero for s >= count and for the padding token slots TP .. GROUP - 1);
+    Gamma goes to KDA's token 0 decay (vector 1; a thread rewrites only its channels) or GDN's
+    ``scalars[2 TP]``. Products of decays only (<= 1)."""
+    VEC = max(K // THREADS, 1)
+    if thread * VEC < K:
+        channels = [thread * VEC + c for c in range(VEC)]
+        after = [Float32(1.0) for _ in range(VEC if FAMILY == KDA else 1)]  # the decays after token t, to count - 1
+        GROUP, MMAS = _commit_packing(TP)
+        keys = [[Float32(0.0) for _ in range(VEC)] for _ in range(GROUP if TENSOR_CORES else 0)]
+        for t in cutlass.range_constexpr(TP - 1, -1, -1):
+            key = _prepared_values(prepared, t, 0, channels, VECTORS, G, CH, PAD)
+            decay = _token_decay(prepared, scalars, Float32(1.0), t, channels, FAMILY, 1, VECTORS, G, CH, PAD)
+            for c in cutlass.range_constexpr(VEC):
+                decayed = key[c] * after[c % len(after)]
+                if cutlass.const_expr(TENSOR_CORES):
+                    keys[t][c] = cutlass.select_(t < count, decayed, Float32(0.0))
+                else:
+                    prepared[_prep_index(t, 0, channels[c], VECTORS, G, CH, PAD)] = decayed
+            after = [cutlass.select_(t < count, after[c] * decay[c], after[c]) for c in range(len(after))]
+        if cutlass.const_expr(TENSOR_CORES):
+            # each token pair (e = 0, 1) of a consumer lane's slots as one 4-byte store
+            for c in cutlass.range_constexpr(VEC):
+                run = channels[c] // CH
+                within = channels[c] % CH
+                consumer_group = 2 * run + within % 2  # the tile column, read by the lanes of this group
+                for pair in cutlass.range_constexpr(GROUP // 2):
+                    parts = [_bfloat16_parts(keys[2 * pair + e][c]) for e in range(2)]
+                    for p in cutlass.range_constexpr(4):
+                        for j in cutlass.range_constexpr(MMAS):
+                            for v2 in cutlass.range_constexpr(2):
+                                q, t0 = _commit_slot(p, 0, v2, j, GROUP)
+                                if cutlass.const_expr(t0 == 2 * pair and q < len(COMMIT_PRODUCTS)):
+                                    values = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+                                    for e in cutlass.range_constexpr(2):
+                                        values[e] = BFloat16(parts[e][COMMIT_PRODUCTS[q][1]])
+                                    index = _commit_operand_index(consumer_group * 4 + p, within // 2, j, v2, 0, MMAS)
+                                    cute.autovec_copy(values, _view(operands.iterator, index, 1, 0, 2, 2))
+        if cutlass.const_expr(FAMILY == KDA):
+            for c in cutlass.range_constexpr(VEC):
+                prepared[_prep_index(0, 1, channels[c], VECTORS, G, CH, PAD)] = after[c]
+        elif thread == 0:
+            scalars[2 * TP] = after[0]
 
 
 @cute.jit
@@ -678,6 +753,78 @@ def _tensor_core_dots(S: cute.Tensor, prepared: cute.Tensor, lane: Int32, T: cut
     return dots[:KEYS], dots[KEYS:DOTS]
 
 
+@cute.jit
+def _tensor_core_commit(S: cute.Tensor, operands: cute.Tensor, pending_values: list, prepared: cute.Tensor,
+                        scalars: cute.Tensor, lane: Int32, TP: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int],
+                        VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                        PAD: cutlass.Constexpr[int]):
+    """The pending commit in closed form (``_decayed_pending_keys``) on the tensor cores, for a
+    bfloat16 pool (R = G = 4): S = Gamma S + sum_s (D_s' k_s) u_s^T in place on this lane's
+    bfloat16 share S [R, CH], each element rounded once, to what the pool then holds.
+
+    mma.sync products per tile of the state (m16n8k16, float32 accumulation): the accumulator (C)
+    starts as Gamma S, A holds the saved u (rows: the state columns), B the decayed keys (columns:
+    channels). The C fragment of column tile nt holds channels 2 nt, 2 nt + 1 of the lane's run
+    for its group's columns 2 mt, 2 mt + 1 (the rows of ``_tensor_core_dots``), so S goes in and
+    out in place. u and the keys are each split into three bfloat16 parts; the k slots of the
+    products hold groups of token slots, one group per product of parts (``_commit_packing``), so
+    that up to four tokens take two mma per tile for float32 accuracy (GDN, B = 64, T = 4: 58.5
+    us). Tried first: two parts each, three mma a tile (64.4 us), whose errors near 2^-16 of a
+    term flipped enough roundings of the state to move a GDN verify's outputs 1.0e-4 from a
+    separate commit's; tf32 operands (m16n8k8, two parts, three mma a tile): 78.2 us.
+    ``pending_values`` [2][R]: this lane's columns' saved u of its two tokens (``_commit_slot``;
+    B is zero from token TP and from the accepted count on)."""
+    mma = cute.make_tiled_mma(MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    thr = mma.get_slice(lane)
+    part = lane % G
+    GROUP, MMAS = _commit_packing(TP)
+    TILES_M = cute.size(S) // CH // 2
+    u_parts = [[_bfloat16_parts(x) for x in token] for token in pending_values]
+    # A fragment element i = v0 + 2 v1 + 4 v2: row g + 8 v1 (column 2 mt + v1), k slot 2 p + v0 + 8 v2
+    u_fragments = []
+    for mt in cutlass.range_constexpr(TILES_M):
+        per_mma = []
+        for j in cutlass.range_constexpr(MMAS):
+            fragment = mma.make_fragment_A(thr.partition_shape_A((16, 16)))
+            for i in cutlass.range_constexpr(8):
+                v0, v1, v2 = i % 2, (i >> 1) % 2, i >> 2
+                value = u_parts[v0][2 * mt + v1]
+                if cutlass.const_expr(GROUP == 4):
+                    # lanes p < 2 take the even product groups, p >= 2 the odd ones
+                    q_even = 2 * v2 + 4 * j
+                    fragment[i] = BFloat16(cutlass.select_(part >= 2, value[COMMIT_PRODUCTS[q_even + 1][0]],
+                                                           value[COMMIT_PRODUCTS[q_even][0]]))
+                else:
+                    q = v2 + 2 * j
+                    fragment[i] = BFloat16(value[COMMIT_PRODUCTS[q][0]] if q < 6 else Float32(0.0))
+            per_mma.append(fragment)
+        u_fragments.append(per_mma)
+    for nt in cutlass.range_constexpr(CH // 2):
+        decay = [scalars[2 * TP]]
+        if cutlass.const_expr(FAMILY == KDA):
+            run = _registers(_view(prepared.iterator, _prep_index(0, 1, part * CH + 2 * nt, VECTORS, G, CH, PAD),
+                                   1, 0, 2, 2))
+            decay = [run[0, 0], run[0, 1]]
+        keys = _raw_registers(_view(operands.iterator, _commit_operand_index(lane, nt, 0, 0, 0, MMAS), 1, 0,
+                                    4 * MMAS, 8 if MMAS % 2 == 0 else 4))
+        key_fragments = []
+        for j in cutlass.range_constexpr(MMAS):
+            # B fragment element i: k slot 2 p + i % 2 + 8 (i // 2), column g
+            fragment = mma.make_fragment_B(thr.partition_shape_B((8, 16)))
+            for i in cutlass.range_constexpr(4):
+                fragment[i] = keys[0, 4 * j + i]
+            key_fragments.append(fragment)
+        for mt in cutlass.range_constexpr(TILES_M):
+            # C fragment element i = e + 2 h: column 2 mt + h, channel 2 nt + e
+            accumulator = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
+            for i in cutlass.range_constexpr(4):
+                accumulator[i] = Float32(S[2 * mt + i // 2, 2 * nt + i % 2]) * decay[i % 2 % len(decay)]
+            for j in cutlass.range_constexpr(MMAS):
+                cute.gemm(mma, accumulator, u_fragments[mt][j], key_fragments[j], accumulator)
+            for i in cutlass.range_constexpr(4):
+                S[2 * mt + i // 2, 2 * nt + i % 2] = BFloat16(accumulator[i])
+
+
 # ------------------------------------------------------------------------------------------------
 # the kernel
 
@@ -736,7 +883,13 @@ def _recurrent_kernel(
     PENDING_PER_WARP = (TP + WARPS - 1) // WARPS
     pending_raw = [_token_inputs(q, pending_k, pending_g, beta, i_n, cutlass.min(warp + j * WARPS, Int32(TP - 1)),
                                  i_h, i_hv, c0, VEC, OP_COMMIT, FAMILY, True) for j in range(PENDING_PER_WARP)]
-    pending_values = [[Float32(pending_u[i_n, t, i_hv, col0 + r]) for r in range(R)] for t in range(TP)]
+    if cutlass.const_expr(TENSOR_CORES):
+        # the commit's A operand: this lane's two tokens (``_commit_slot``)
+        pending_values = [[Float32(pending_u[i_n, cutlass.min(_commit_slot(part, e, 0, 0, _commit_packing(TP)[0])[1],
+                                                              Int32(TP - 1)), i_hv, col0 + r])
+                           for r in range(R)] for e in range(2 if TP > 0 else 0)]
+    else:
+        pending_values = [[Float32(pending_u[i_n, t, i_hv, col0 + r]) for r in range(R)] for t in range(TP)]
     values_src = saved_u if cutlass.const_expr(OP == OP_COMMIT and SAVED_U) else v
     if cutlass.const_expr(OP == OP_DEFERRED):
         # a deferred verify's lane needs the one column whose sums it holds (``_scatter_sum``):
@@ -788,7 +941,11 @@ def _recurrent_kernel(
     if cutlass.const_expr(COMMIT_FIRST):
         pending_prepared = smem.allocate_tensor(Float32, cute.make_layout(TP * PENDING_VECTORS * G * (CH + PREP_PAD)),
                                                 16)
-        pending_scalars = smem.allocate_tensor(Float32, cute.make_layout(2 * TP), 16)
+        # (and GDN's Gamma, ``_decayed_pending_keys``)
+        pending_scalars = smem.allocate_tensor(Float32, cute.make_layout(2 * TP + 1), 16)
+    # the tensor-core commit's B operands (``_commit_operand_index``)
+    OPERANDS = CH * 64 * _commit_packing(TP)[1] if TENSOR_CORES and COMMIT_FIRST else 8
+    commit_operands = smem.allocate_tensor(BFloat16, cute.make_layout(OPERANDS), 16)
 
     head_offset = Int64((i_hv * V + v0) * K)  # this warp's block of COLS columns, contiguous
     lane_offset = group * R * K + part * PIECE  # where this lane's first run (piece) starts in the block
@@ -820,9 +977,8 @@ def _recurrent_kernel(
         else:
             # straight into registers: a lane's runs are whole 16-byte units, and the L1 serves
             # the other halves of the sectors the warp's neighbouring loads touched
-            # (a tensor-core verify keeps the pool's bfloat16, its products' A operand, unless it
-            # commits first in float32)
-            S = (_raw_registers if cutlass.const_expr(TENSOR_CORES and not COMMIT_FIRST) else _registers)(
+            # (a tensor-core verify keeps the pool's bfloat16: its products' A and C operands)
+            S = (_raw_registers if cutlass.const_expr(TENSOR_CORES) else _registers)(
                 _lane_state(pool, block + lane_offset, R, K, CH, PIECE, G, min(PIECE, UNIT) if VECTOR_POOL else 1))
 
         # Prepare the tokens once per CTA (norms, gates, beta) into shared memory, each vector laid
@@ -843,10 +999,14 @@ def _recurrent_kernel(
             cute.arch.barrier()
             _pair_coefficients(prepared, coefficients, scalars, warp, lane, A, T, WARPS, VEC, FAMILY, VECTORS, G, CH,
                                PREP_PAD)
-            if cutlass.const_expr(COMMIT_FIRST and FAMILY == KDA):
-                if warp == WARPS - 1:
-                    _decayed_pending_keys(pending_prepared, num_accepted[i_n], lane, TP, VEC, PENDING_VECTORS, G, CH,
-                                          PREP_PAD)
+            if cutlass.const_expr(COMMIT_FIRST and (FAMILY == KDA or TENSOR_CORES)):
+                # KDA's tensor-core closed form on every warp of the CTA, else on the last one (H200,
+                # B = 64, T = 4 after T = 4: KDA 66.7 -> 58.9 us, GDN 58.5 -> 61.3 on every warp)
+                CLOSED_FORM_WARPS = WARPS if FAMILY == KDA and TENSOR_CORES else 1
+                if warp >= WARPS - CLOSED_FORM_WARPS:
+                    _decayed_pending_keys(pending_prepared, pending_scalars, commit_operands, num_accepted[i_n],
+                                          (warp - (WARPS - CLOSED_FORM_WARPS)) * 32 + lane, CLOSED_FORM_WARPS * 32,
+                                          TP, K, FAMILY, PENDING_VECTORS, G, CH, PREP_PAD, TENSOR_CORES)
         buffer_row = Int64(0)
         if cutlass.const_expr(OP == OP_BUFFER):
             buffer_row = Int64(buffer_rows[i_n])
@@ -855,10 +1015,16 @@ def _recurrent_kernel(
         if cutlass.const_expr(STAGE):
             S = _registers(share)
 
-        if cutlass.const_expr(COMMIT_FIRST):
-            # The previous verify's accepted tokens, from their saved u (Lightning: v), as a commit
-            # does; the state goes back to the slot as the pool holds it (rounded to its dtype), and
-            # the verify below starts from exactly that.
+        # The previous verify's accepted tokens, from their saved u (Lightning: v), as a commit does;
+        # the state goes back to the slot as the pool holds it (rounded to its dtype), and the verify
+        # below starts from exactly that.
+        if cutlass.const_expr(COMMIT_FIRST and TENSOR_CORES):
+            if num_accepted[i_n] > 0:
+                _tensor_core_commit(S, commit_operands, pending_values, pending_prepared, pending_scalars, lane, TP,
+                                    FAMILY, PENDING_VECTORS, G, CH, PREP_PAD)
+                cute.autovec_copy(S, _lane_state(pool, block + lane_offset, R, K, CH, PIECE, G,
+                                                 min(PIECE, UNIT) if VECTOR_POOL else 1))
+        elif cutlass.const_expr(COMMIT_FIRST):
             pending_count = num_accepted[i_n]
             pending_gamma, pending_applied = _fold_factors(pending_prepared, pending_scalars, A, TP, FAMILY,
                                                            PENDING_DECAY_VECTOR, PENDING_VECTORS, G, CH, PREP_PAD)
@@ -1055,15 +1221,15 @@ def _compiled(dtypes: tuple, constexprs: tuple) -> FastLaunch:
     return compile_launcher(_launch, pointers, (1, 1, *(1,) * 35, 1.0, 0.0), config)
 
 
-def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype,
-                 kda_commit_first: bool = False,
-                 tensor_cores: bool = False) -> tuple[int, int, int, bool, bool, int]:
+def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: torch.dtype, family: str = "gdn",
+                 commit_first: bool = False, tensor_cores: bool = False) -> tuple[int, int, int, bool, bool, int]:
     """(R, G, WARPS, STAGE, TENSOR_CORES, MIN_CTAS): a lane's state columns, the lanes sharing a
     column (each holds K / G of its channels), the warps of a CTA (R * 32 / G * WARPS columns per
     CTA, at most V), whether the state passes through shared memory (``_recurrent_kernel``),
     whether a deferred verify's dot products run on the tensor cores (``_tensor_core_dots``: R = G
-    = 4) where ``tensor_cores`` allows it, and the CTAs an SM must fit (ptxas caps the registers
-    to fit them; 0: no cap).
+    = 4; with ``commit_first``, the pending commit too: ``_tensor_core_commit``) where
+    ``tensor_cores`` allows it, and the CTAs an SM must fit (ptxas caps the registers to fit them;
+    0: no cap).
 
     Measured on an H200 (CUDA-graph replay, L2 flushed, K = V = 128, B = 64, T = 4, 2026-11-24;
     times in us for GDN / KDA / Lightning):
@@ -1086,20 +1252,24 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
       again), R2 G4 W4 83.7 / 303.2, R2 G4 W8 83.2 / 289.3; with four CTAs an SM (128 registers)
       73.8 / 242.7, three 74.7 / 263.4. KDA with a pending commit: three CTAs 67.3 / 226.2, four
       118.2 / 429.6 (spills), uncapped 75.1 / 253.3; W2 90.4, W1 94.6 at B = 64.
+    - with the pending commit on the tensor cores too (2026-11-27, T = 4 after T = 4, B = 64 /
+      256, closed form on one warp): three CTAs an SM GDN 58.5 / 205.1, KDA 66.8 / 221.8 (58.9 /
+      205.1 with KDA's closed form on all four warps); uncapped (194 and 213 registers, two CTAs)
+      66.0 / 229.3, 70.2 / 239.5; four CTAs spill (a tf32 version: 91.4, 94.0 at B = 64).
     - a few sequences (fewer than 2048 heads): many small CTAs, state staged (its cp.async goes
       out right after the slot: one DRAM round trip less at B = 1); decode at B = 1 took 7.1 us
       with R2 G32 W4 against 7.5 with R1 (the first version of this kernel).
     """
     if tensor_cores and op == "deferred" and state_dtype == torch.bfloat16 and N * HV >= 2048 and K <= 128 and V >= 32:
-        # four CTAs an SM (128 registers); a commit first's float32 share takes 219 (two CTAs), so
+        # four CTAs an SM (128 registers); with a commit first near 200 uncapped (two CTAs), so
         # capped for three (at 128 it spills)
-        return 4, 4, min(4, V // 32), False, True, 3 if kda_commit_first else 4
+        return 4, 4, min(4, V // 32), False, True, 3 if commit_first else 4
     stage = True
     if N * HV < 2048:
         rows, lanes, warps = (1, 4, 4) if op == "deferred" else (2, 32, 4)
     elif op == "deferred":
         rows, lanes, warps, stage = 8, 16, 4, False
-        if kda_commit_first and state_dtype != torch.float32:
+        if commit_first and family == "kda" and state_dtype != torch.float32:
             rows, lanes = 4, 8
     elif state_dtype != torch.float32:
         rows, lanes, warps = 8, 16, 4
@@ -1167,15 +1337,14 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     A_log = None if gate is None else gate.A_log.contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     buffer = intermediate_states if op == "buffer" else None
-    # (GDN's verify that commits first stays on the reductions: 67.5 us against 73.6 at B = 64)
     rows, lanes, warps, stage, tensor_cores, min_ctas = shape or launch_shape(
-        op, N, HV, K, V, T, state_pool.dtype, kda_commit_first=family == KDA and TP > 0,
-        tensor_cores=family == KDA or (family == GDN and TP == 0))
+        op, N, HV, K, V, T, state_pool.dtype, family=recipe.mode, commit_first=TP > 0,
+        tensor_cores=family != LIGHTNING and TP <= 8)
     if tensor_cores and ((rows, lanes, stage) != (4, 4, False) or op != "deferred" or family == LIGHTNING
-                         or state_pool.dtype != torch.bfloat16 or K % 16 or K > 128):
+                         or state_pool.dtype != torch.bfloat16 or K % 16 or K > 128 or TP > 8):
         raise ValueError("shape: the tensor-core deferred verify needs R = G = 4 unstaged, a delta rule, a bfloat16 "
-                         f"pool and K a multiple of 16 up to 128; got {shape} for {recipe.mode}, {state_pool.dtype}, "
-                         f"K = {K}")
+                         f"pool, K a multiple of 16 up to 128 and at most 8 pending tokens; got {shape} for "
+                         f"{recipe.mode}, {state_pool.dtype}, K = {K}, {TP} pending tokens")
     indices = state_indices if state_indices.dim() == 2 else state_indices[:, None]
 
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta, o=target, saved_u=saved_u, A_log=A_log, dt_bias=dt_bias,

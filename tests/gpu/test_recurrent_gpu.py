@@ -335,9 +335,12 @@ def test_verify_with_pending_strong_decays(mode, backend, monkeypatch):
 def test_deferred_verify_on_tensor_cores(mode, tokens, monkeypatch):
     """From 2048 heads a cute deferred verify of a bfloat16 pool takes its dot products with the
     state on the tensor cores (``recurrent_cute._tensor_core_dots``: one, a padded and two full
-    mma column tiles for T = 1, 3, 8), here with prepared log decays near -25 on token 1. Against
-    the float64 oracle (through the next verify, which commits it first), and against the same
-    kernel's reductions (both float32 products of the same bfloat16 state) within a few roundings."""
+    mma column tiles for T = 1, 3, 8), and so does the commit of a pending verify inside the next
+    one (``_tensor_core_commit``: token groups of 4 for T = 1, 3, padded slots, and of 8 for
+    T = 8), here with prepared log decays near -25 on token 1 and every accepted count 0..T.
+    Against the float64 oracle and the separate verify, commit, verify calls (through the next
+    verify, which commits it first), and against the same kernel's reductions (both float32
+    products of the same bfloat16 state) within a few roundings."""
     if dispatch.backend_status("cute", DEVICE)[0] is None:
         pytest.skip("cute backend unavailable")
     from cula_serve.kernels.delta_rule import recurrent_cute
