@@ -581,8 +581,9 @@ def _decayed_pending_keys(prepared: cute.Tensor, scalars: cute.Tensor, operands:
                           K: cutlass.Constexpr[int], FAMILY: cutlass.Constexpr[int], VECTORS: cutlass.Constexpr[int],
                           G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int], PAD: cutlass.Constexpr[int],
                           TENSOR_CORES: cutlass.Constexpr[bool]):
-    """The pending commit of ``count`` accepted tokens in closed form (THREADS threads, ``thread`` of
-    them, each on its own channels): with D_i = exp(g_i) (per channel for KDA, a scalar for GDN),
+    """The pending commit of ``count`` accepted tokens in closed form, shared by THREADS threads
+    (this one is ``thread``), each on its own channels: with D_i = exp(g_i) (per channel for KDA,
+    a scalar for GDN),
         S_count = Gamma S + sum_{s < count} (D_s' k_s) u_s^T,  Gamma = prod_{i < count} D_i,
         D_s' = prod_{s < i < count} D_i,
     so that the state takes one decay instead of one per token. Each token's k (vector 0) becomes
