@@ -732,20 +732,18 @@ def _tensor_core_dots(S: cute.Tensor, prepared: cute.Tensor, lane: Int32, T: cut
         token = cutlass.min(cutlass.select_(is_key, n, n - KEYS), Int32(T - 1))
         vector = cutlass.select_(is_key, Int32(KD_VECTOR), Int32(QD_VECTOR))
         run = _prepared_run(prepared, token, vector, part, VECTORS, G, CH, PAD)
-        rest = [cutlass.select_(n < DOTS, run[c], Float32(0.0)) for c in range(CH)]
+        parts = [_bfloat16_parts(cutlass.select_(n < DOTS, run[c], Float32(0.0))) for c in range(CH)]
         accumulators = []
         for mt in cutlass.range_constexpr(TILES_M):
             accumulator = cute.make_rmem_tensor(thr.partition_shape_C((16, 8)), Float32)
             accumulator.fill(0.0)
             accumulators.append(accumulator)
-        for _ in cutlass.range_constexpr(3):
-            split = [BFloat16(x) for x in rest]
-            rest = [rest[c] - Float32(split[c]) for c in range(CH)]
+        for which in cutlass.range_constexpr(3):
             for kt in cutlass.range_constexpr(TILES_K):
                 # B fragment element i: k index 2 part + i % 2 + 8 (i // 2), channel 4 kt + i
                 fragment = mma.make_fragment_B(thr.partition_shape_B((8, 16)))
                 for i in cutlass.range_constexpr(4):
-                    fragment[i] = split[4 * kt + i]
+                    fragment[i] = BFloat16(parts[4 * kt + i][which])
                 for mt in cutlass.range_constexpr(TILES_M):
                     cute.gemm(mma, accumulators[mt], state[mt][kt], fragment, accumulators[mt])
         # C fragment element i = j + 2 h: tile row g + 8 h (column 2 mt + h), n = 2 part + j
@@ -956,6 +954,8 @@ def _recurrent_kernel(
     per_copy = UNIT if VECTOR_POOL else 1
     if slot >= 0:
         block = slot * stride_pool + head_offset
+        # this lane's share of the state in the pool, where an unstaged kernel loads and stores it
+        lane_state = _lane_state(pool, block + lane_offset, R, K, CH, PIECE, G, min(PIECE, UNIT) if VECTOR_POOL else 1)
         if cutlass.const_expr(STAGE):
             # The warp's block of the state goes to shared memory, coalesced (units in order across
             # the lanes), as soon as the slot is known: by cp.async in 16-byte units when the pool's
@@ -979,8 +979,7 @@ def _recurrent_kernel(
             # straight into registers: a lane's runs are whole 16-byte units, and the L1 serves
             # the other halves of the sectors the warp's neighbouring loads touched
             # (a tensor-core verify keeps the pool's bfloat16: its products' A and C operands)
-            S = (_raw_registers if cutlass.const_expr(TENSOR_CORES) else _registers)(
-                _lane_state(pool, block + lane_offset, R, K, CH, PIECE, G, min(PIECE, UNIT) if VECTOR_POOL else 1))
+            S = (_raw_registers if cutlass.const_expr(TENSOR_CORES) else _registers)(lane_state)
 
         # Prepare the tokens once per CTA (norms, gates, beta) into shared memory, each vector laid
         # out as G runs of CH channels (the lanes' shares), padded against bank conflicts.
@@ -1023,8 +1022,7 @@ def _recurrent_kernel(
             if num_accepted[i_n] > 0:
                 _tensor_core_commit(S, commit_operands, pending_values, pending_prepared, pending_scalars, lane, TP,
                                     FAMILY, PENDING_VECTORS, G, CH, PREP_PAD)
-                cute.autovec_copy(S, _lane_state(pool, block + lane_offset, R, K, CH, PIECE, G,
-                                                 min(PIECE, UNIT) if VECTOR_POOL else 1))
+                cute.autovec_copy(S, lane_state)
         elif cutlass.const_expr(COMMIT_FIRST):
             pending_count = num_accepted[i_n]
             pending_gamma, pending_applied = _fold_factors(pending_prepared, pending_scalars, A, TP, FAMILY,
