@@ -1242,6 +1242,13 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
       (G = 32) pay for reductions, few (G = 4) for rereading k and q from shared memory.
     - commit, buffer and slots verify: float32 R8 G32 W4 staged (commit 79.0 / 82.0 / 154.7; R16
       G32 W8 85.9; buffer ~194-200 with every shape); bfloat16 R8 G16 W4 (commit 43.6 for GDN).
+    - buffer / slots verify alone, bfloat16 (2026-11-27, B = 64 / 256, GDN, KDA, Lightning): R8
+      G16 W4 staged: buffer 98.2 / 354.1, 113.6 / 412.3, 179.2 / 696.3; slots 102.2 / 403.4, 100.3 /
+      409.9, 201.3 / 794.8. Unstaged: R4 G16 W4 buffer 94.2 / 350.0, 105.8 / 388.9; slots 98.5 /
+      366.7, 98.8 / 371.4; R8 G16 W2 buffer 99.5 / 365.2, 99.5 / 362.6; slots 105.6 / 389.6, 98.4
+      / 370.0; R8 G16 W4 buffer 106.4 / 387.2, 105.0 / 377.8, 180.0 / 693.7; slots 99.3 / 367.0,
+      96.5 / 367.8, 183.7 / 712.0 (R16 G16 W4, R8 G16 W8, R8 G32 W4, R16 G32 W8 slower). Float32
+      keeps R8 G32 W4 staged (unstaged the same, G16 shapes 15-40% slower).
     - a KDA deferred verify that commits a pending one first, bfloat16 pool (H100, 2026-11-25,
       B = 64, T = 4 after T = 4): R4 G8 W4 unstaged 80.1 us against 85.3 for R8 G16 W4 (W8 81.0,
       staged 90.8, others 99-110); with a float32 pool and for GDN R8 G16 W4 stays best (KDA
@@ -1273,6 +1280,12 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
             rows, lanes = 4, 8
     elif state_dtype != torch.float32:
         rows, lanes, warps = 8, 16, 4
+        if op in ("buffer", "slots"):
+            stage = False
+            if family == "gdn":
+                rows = 4
+            elif family == "kda":
+                warps = 2
     elif op == "decode":
         rows, lanes, warps = 16, 32, 8
     else:
