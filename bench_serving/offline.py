@@ -270,7 +270,8 @@ def main(args) -> int:
     for model in args.model:
         shape = layer_shape(model, args.tp)
         # the backend cula-serve's dispatch picks for each operation of this model at the full batch
-        workload = dict(mode=shape.mode, N=args.max_num_seqs, T=args.mtp, HV=shape.HV)
+        workload = dict(mode=shape.mode, N=args.max_num_seqs, T=args.mtp, HV=shape.HV,
+                        state_dtype=getattr(torch, args.state_dtype))
         cula_backends = {op: dispatch.automatic_backend(op, device, None if op == "prefill" else workload)
                          for op in dispatch.OPERATIONS}
         for backend in backends:

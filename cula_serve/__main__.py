@@ -40,9 +40,11 @@ def info() -> None:
     print("per call, at the model shapes (B = 1 / 64 / 256 sequences):")
     for model, shape in MODEL_SHAPES.items():
         for op, T in (("decode", 1), ("verify", 4)):
-            picks = [dispatch.automatic_backend(op, device, dict(mode=shape["mode"], N=B, T=T, HV=shape["HV"]))
-                     for B in (1, 64, 256)]
-            print(f"  {model:12s} {op:8s} {' / '.join(picks)}")
+            for state_dtype in (torch.float32, torch.bfloat16):
+                picks = [dispatch.automatic_backend(op, device, dict(mode=shape["mode"], N=B, T=T, HV=shape["HV"],
+                                                                     state_dtype=state_dtype))
+                         for B in (1, 64, 256)]
+                print(f"  {model:12s} {op:8s} {str(state_dtype)[6:]:8s} pool {' / '.join(picks)}")
 
 
 def main(argv=None) -> int:

@@ -406,7 +406,7 @@ def _multi_token(operation, q, k, v, state_pool, *, mode, g, beta, decay, scale,
     _check_pool(state_pool, HV, K, V, device)
     out = _check_out(out, (*lead, HV, V), v.dtype, device)
     module = _select(operation, device, backend, input_dtype=q.dtype, state_dtype=state_pool.dtype, K=K, V=V,
-                     workload=dict(mode=mode, N=lead[0], T=lead[1], HV=HV))
+                     workload=dict(mode=mode, N=lead[0], T=lead[1], HV=HV, state_dtype=state_pool.dtype))
     return lead, HV, V, recipe, g, beta, out, module
 
 

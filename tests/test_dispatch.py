@@ -46,7 +46,7 @@ def test_info_command_lists_every_backend():
     for name in ("cute", "triton", "torch", "prefill", "decode", "verify", "commit"):
         assert name in result.stdout
     assert "torch   available" in result.stdout
-    assert "qwen3-next   decode   torch / torch / torch" in result.stdout or torch.cuda.is_available()
+    assert "qwen3-next   decode   float32  pool torch / torch / torch" in result.stdout or torch.cuda.is_available()
 
 
 def test_backend_without_an_operation_is_skipped_or_refused(monkeypatch):
@@ -72,7 +72,8 @@ def test_backend_defers_only_in_automatic_mode(monkeypatch):
     cpu = torch.device("cpu")
     torch_module = dispatch.backend_status("torch", cpu)[0]
     small_shy = type("SmallShy", (), dict(NAME="small_shy", OPERATIONS=("decode",),
-                                          defers=staticmethod(lambda op, mode, N, T, HV: "small" if N < 8 else None)))
+                                          defers=staticmethod(
+                                              lambda op, mode, N, T, HV, **_: "small" if N < 8 else None)))
     status = {"cute": (small_shy, None), "triton": (None, "absent"), "torch": (torch_module, None)}
     monkeypatch.setattr(dispatch, "backend_status", lambda name, device: status[name])
     monkeypatch.setattr(dispatch, "CPU_DEFAULT", ("cute", "torch"))
@@ -108,11 +109,14 @@ def test_backend_call_error_refuses_or_passes_on(monkeypatch):
 
 def test_cute_gives_delta_rule_decode_to_triton():
     """On SM90 the Triton decode is as fast or faster for GDN and KDA at every batch size, and for
-    Lightning below 2048 heads (``cute_backend.defers``); verify stays with the CuTe DSL kernel."""
+    Lightning below 2048 heads or with a float32 pool (``cute_backend.defers``); verify stays with
+    the CuTe DSL kernel."""
     from cula_serve.kernels.backends import cute_backend
     for mode, N, HV in (("gdn", 1, 32), ("gdn", 256, 32), ("kda", 64, 32), ("lightning", 8, 64)):
         assert cute_backend.defers("decode", mode=mode, N=N, T=1, HV=HV), (mode, N)
+    assert cute_backend.defers("decode", mode="lightning", N=256, T=1, HV=64, state_dtype=torch.float32)
     assert cute_backend.defers("decode", mode="lightning", N=32, T=1, HV=64) is None
+    assert cute_backend.defers("decode", mode="lightning", N=32, T=1, HV=64, state_dtype=torch.bfloat16) is None
     assert cute_backend.defers("verify", mode="gdn", N=64, T=4, HV=32) is None
 
 

@@ -75,16 +75,20 @@ PREFILL_MIN_SM_SHARE = 0.4
 
 
 def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple = (), checkpoints: bool = False,
-           **_) -> str | None:
+           state_dtype: torch.dtype | None = None, **_) -> str | None:
     """Why automatic dispatch should pass this call to the next backend although this one can
     run it: where the Triton kernels measured faster (BENCHMARKS.md).
 
-    Decode of GDN and KDA at every size, and of Lightning below 2048 heads (B < 32 at 64 heads).
+    Decode of GDN and KDA at every size, and of Lightning below 2048 heads (B < 32 at 64 heads) or
+    with a float32 pool (``state_dtype``; None: a bfloat16 one is assumed).
     CUDA-graph replay, H200, 2026-11-26, us, Triton / ours: GDN float32 B = 64 72.0 / 75.1, B = 256
     270.8 / 274.1; bfloat16 41.5 / 41.6, 145.4 / 144.4; KDA float32 72.6 / 75.4, 271.5 / 275.7;
     bfloat16 41.0 / 42.7, 145.4 / 148.3 (many one-warp programs keep more loads in flight than
-    our CTAs). Lightning, twice the state per sequence: ours from 2048 heads (bfloat16 B = 256
-    279.2 against 293.6); below, Triton (H200, 2026-11-24: GDN B = 8 14.6 against 15.9, B = 1 6.8
+    our CTAs). Lightning, twice the state per sequence: ours from 2048 heads with a bfloat16 pool
+    (B = 256 279.7 against 293.4; B = 64 80.9 against 78.0 single-step but 71.7 against 75.0 per
+    layer of a 16-layer graph, H200, 2026-11-27); with a float32 pool Triton (B = 64 135.6 against
+    137.6-150.9, per layer 133.3 against 135.2; B = 256 526.3-526.6 against 531.0-587.3, two runs);
+    below 2048 heads Triton (H200, 2026-11-24: GDN B = 8 14.6 against 15.9, B = 1 6.8
     against 7.3; per layer of a 16-layer graph on an H100: B = 1 3.9 against 4.8). Verify and
     commit: faster, or within 5% (Lightning at B = 1 and 8), from B = 1 on (T = 4 with a pending
     commit, H200, B = 64: GDN float32 96.6 against 124.0 us, Lightning 165.7 against 249.1).
@@ -94,7 +98,8 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
     ours does not (Lightning never; GDN with checkpoints or where
     ``segments.one_pass_segment_tokens`` finds it not worth it): a TP4 shard's 16 Lightning heads on one 8192-token sequence, 2.90
     against 1.15 ns per token-head on an H100."""
-    if operation == "decode" and (mode != "lightning" or N * HV < 2048):
+    lightning_decode = mode == "lightning" and N * HV >= 2048 and state_dtype != torch.float32
+    if operation == "decode" and not lightning_decode:
         return f"{mode} decode of {N} x {HV} heads: the triton kernel is as fast or faster"
     if operation == "prefill":
         from ..common.segments import one_pass_segment_tokens, sm_count
