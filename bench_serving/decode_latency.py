@@ -18,6 +18,10 @@ captures all its layers in one decode graph, so one replay's launch and the even
 by every layer. These rows capture L decode steps, each on its own pool (so each reads its states
 from HBM after the flush), and report the replay's time over L: the per-layer cost inside a model's
 graph, where the single-step rows above carry the whole replay's fixed cost (about 3.5 us on an H100).
+The verify + commit steps of the backend dispatch picks get the same rows, over the decode's.
+
+The buffer and slots rows also give TB/s: their verify reads each state and writes T, their commit
+copies one, T + 3 state volumes in all.
 
 Peers (peers.py), each on the same inputs and first checked against the torch reference
 (DESIGN section 7 tolerances: 5e-3 with a float32 pool, 2e-2 with a bfloat16 one; one that
@@ -134,6 +138,35 @@ def _layered_decode(mode, shape, kw, pool, slots, backends, versions, state_dtyp
     return rows
 
 
+def _copy_bandwidth(protocol, T, state_bytes, ms) -> dict:
+    """{"TBps": ...} for the buffer and slots protocols: their verify reads each state once and
+    writes T states, the commit copies one (T + 3 state volumes, ``state_bytes`` / 2 each); the
+    other protocols' rows are read against a decode step instead."""
+    if protocol not in ("buffer", "slots"):
+        return {}
+    return dict(TBps=(T + 3) * state_bytes / 2 / (ms * 1e-3) / 1e12)
+
+
+def _bandwidth_text(row) -> str:
+    return f" {row['TBps']:6.2f} TB/s" if "TBps" in row else ""
+
+
+def _layered_verify(mode, kw, pool, slots, columns, T, backend, state_bytes, decode_ms, layers, device, key) -> list:
+    """The "graph of L layers" rows of verify + commit on ``backend`` (every protocol), each layer
+    on its own pool; the ratio is over the dispatched decode's time per layer (``decode_ms``)."""
+    rows = []
+    for protocol in PROTOCOLS + ("pending",):
+        ms = _time_layers(lambda: _cula_step(mode, kw, pool.clone(), slots, columns, T, protocol, backend), layers,
+                          device)
+        rows.append(dict(**key, op=f"verify+commit {protocol}", backend=f"cula-{backend}", T=T, layers=layers, ms=ms,
+                         vs_decode=ms / decode_ms, **_copy_bandwidth(protocol, T, state_bytes, ms)))
+        print(f"{key['model']:12s} {key['state']:9s} B{key['B']:<4d} T{T} {protocol:9s} v+c, graph of {layers:<3d} "
+              f"cula-{backend:7s} {ms * 1e3:8.1f} us {ms / decode_ms:5.2f}x decode{_bandwidth_text(rows[-1])} "
+              f"per layer", flush=True)
+    torch.cuda.empty_cache()
+    return rows
+
+
 def _reference(mode, kw, pool, slots, columns, T, protocol):
     """(o, states written) of the torch reference: for a decode (T = 0) and verify + commit of all
     T tokens the slots' states; for the slots protocol the verify alone (vLLM has no commit step)
@@ -233,11 +266,12 @@ def _cula_backends(device) -> list[str]:
     return names or ["torch"]
 
 
-def _dispatched(operation, mode, B, T, shape, device, backends) -> str:
+def _dispatched(operation, mode, B, T, shape, state_dtype, device, backends) -> str:
     """The timed backend automatic dispatch picks for this step (the first timed one if it picks
     another, e.g. under CULA_BACKEND)."""
     from cula_serve import dispatch
-    name = dispatch.automatic_backend(operation, device, dict(mode=mode, N=B, T=max(T, 1), HV=shape["HV"]))
+    name = dispatch.automatic_backend(operation, device, dict(mode=mode, N=B, T=max(T, 1), HV=shape["HV"],
+                                                              state_dtype=state_dtype))
     return name if name in backends else backends[0]
 
 
@@ -268,7 +302,7 @@ def main(args) -> int:
                 kw, pool, slots, columns = _inputs(mode, shape, B, 0, state_dtype, device, generator)
                 state_bytes = 2 * B * shape["HV"] * shape["V"] * shape["K"] * torch.finfo(state_dtype).bits // 8
                 decode_ms = {}
-                auto = _dispatched("decode", mode, B, 1, shape, device, backends)
+                auto = _dispatched("decode", mode, B, 1, shape, state_dtype, device, backends)
                 for name in backends:
                     decode_ms[name] = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, 0, None, name),
                                                  device)
@@ -283,9 +317,12 @@ def main(args) -> int:
                                  ms=ceiling_ms, TBps=state_bytes / (ceiling_ms * 1e-3) / 1e12))
                 print(f"{model:12s} {state:9s} B{B:<4d} decode                {'copy ceiling':12s} "
                       f"{ceiling_ms * 1e3:8.1f} us {rows[-1]['TBps']:6.2f} TB/s", flush=True)
+                layered_decode_ms = None
                 if args.graph_layers > 1 and B <= LAYERED_MAX_BATCH:
-                    rows += _layered_decode(mode, shape, kw, pool, slots, backends, versions, state_dtype,
-                                            args.graph_layers, device, dict(model=model, state=state, B=B))
+                    layered = _layered_decode(mode, shape, kw, pool, slots, backends, versions, state_dtype,
+                                              args.graph_layers, device, dict(model=model, state=state, B=B))
+                    rows += layered
+                    layered_decode_ms = next(row["ms"] for row in layered if row["backend"] == f"cula-{auto}")
                 first = decode_ms[auto]
                 steps = _peer_steps(mode, kw, pool, slots, columns, 0, state_dtype, versions)
                 if steps:
@@ -300,7 +337,7 @@ def main(args) -> int:
                 for T in args.verify_tokens:
                     kw, pool, slots, columns = _inputs(mode, shape, B, T, state_dtype, device, generator)
                     cula_ms = {}
-                    auto_verify = _dispatched("verify", mode, B, T, shape, device, backends)
+                    auto_verify = _dispatched("verify", mode, B, T, shape, state_dtype, device, backends)
                     for name in backends:
                         for protocol in PROTOCOLS + ("pending",):
                             ms = time_graph(_cula_step(mode, kw, pool.clone(), slots, columns, T, protocol, name), device)
@@ -308,10 +345,15 @@ def main(args) -> int:
                                 cula_ms[protocol] = ms
                             rows.append(dict(model=model, state=state, B=B, op=f"verify+commit {protocol}",
                                              backend=f"cula-{name}", T=T, ms=ms, vs_decode=ms / first,
-                                             dispatched=name == auto_verify))
+                                             dispatched=name == auto_verify,
+                                             **_copy_bandwidth(protocol, T, state_bytes, ms)))
                             print(f"{model:12s} {state:9s} B{B:<4d} T{T} {protocol:9s} v+c   {'cula-' + name:12s} "
-                                  f"{ms * 1e3:8.1f} us {ms / first:5.2f}x decode"
+                                  f"{ms * 1e3:8.1f} us {ms / first:5.2f}x decode{_bandwidth_text(rows[-1])}"
                                   f"{'  dispatch' if name == auto_verify else ''}", flush=True)
+                    if layered_decode_ms is not None:
+                        rows += _layered_verify(mode, kw, pool, slots, columns, T, auto_verify, state_bytes,
+                                                layered_decode_ms, args.graph_layers, device,
+                                                dict(model=model, state=state, B=B))
                     for peer, op, build in _peer_steps(mode, kw, pool, slots, columns, T, state_dtype, versions):
                         protocol = op.split()[-1]
                         ref_o, ref_states = _reference(mode, kw, pool, slots, columns, T, protocol)
@@ -347,7 +389,8 @@ def plot(rows, path: Path):
     left.set_ylabel("TB/s of state traffic (higher is better)")
     left.set_title("decode, CUDA-graph replay")
     left.legend(fontsize=7)
-    verify = [r for r in rows if r["backend"].startswith("cula") and "vs_decode" in r and r["state"] == "float32"]
+    verify = [r for r in rows if r["backend"].startswith("cula") and "vs_decode" in r and r["state"] == "float32"
+              and "layers" not in r]
     if verify:
         B = max(r["B"] for r in verify)
         for key in dict.fromkeys((r["model"], r["op"], r["backend"]) for r in verify):
