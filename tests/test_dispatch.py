@@ -121,14 +121,20 @@ def test_cute_gives_delta_rule_decode_to_triton():
 
 
 def test_triton_recurrent_tiles_per_op():
-    """``block_v`` on a GPU: streaming ops (decode, commit) on at most 8 columns; GDN and KDA
-    verifies from 2048 heads on 16, except GDN's deferred verify on a float32 pool; Lightning's
-    verifies as wide as the grid allows; one warp per 4096 state floats."""
+    """``block_v`` on a GPU: streaming ops (decode, commit) on at most 8 columns, except KDA's
+    commit from 2048 heads (16 columns, 32 with a float32 pool); GDN and KDA verifies from 2048
+    heads on 16, except GDN's deferred verify on a float32 pool; Lightning's verifies as wide as
+    the grid allows, its deferred verify 32 from 2048 heads; one warp per 4096 state floats."""
     from cula_serve.kernels.delta_rule.recurrent_triton import block_v
     gpu, bf16 = torch.device("cuda"), torch.bfloat16
     assert block_v(1, 32, 128, 128, gpu) == (4, 1)
     assert block_v(256, 32, 128, 128, gpu, "decode") == (8, 1)
-    assert block_v(256, 32, 128, 128, gpu, "commit", "kda") == (8, 1)
+    assert block_v(256, 32, 128, 128, gpu, "commit", "gdn", bf16) == (8, 1)
+    assert block_v(64, 32, 128, 128, gpu, "commit", "kda", bf16) == (16, 1)
+    assert block_v(64, 32, 128, 128, gpu, "commit", "kda") == (32, 1)
+    assert block_v(8, 32, 128, 128, gpu, "commit", "kda") == (4, 1)
+    assert block_v(64, 64, 128, 128, gpu, "deferred", "lightning") == (32, 1)
+    assert block_v(64, 64, 128, 128, gpu, "buffer", "lightning") == (16, 1)
     assert block_v(64, 32, 128, 128, gpu, "deferred") == (8, 1)
     assert block_v(256, 32, 128, 128, gpu, "deferred") == (32, 1)
     assert block_v(64, 32, 128, 128, gpu, "deferred", "gdn", bf16) == (16, 1)

@@ -375,7 +375,13 @@ def block_v(N: int, HV: int, K: int, V: int, device: torch.device, op: str = "de
       bfloat16 394.9 -> 378.5, KDA 606.0 -> 547.6 and 567.6 -> 535.6; the buffer verify, KDA
       bfloat16 B = 256, 663.4 -> 578.3 (8: 610.4), the others within 1 %.
     - Lightning's verifies keep the grown width (bfloat16 B = 256 with a pending commit: 612.7 us
-      with 32 against 689.7 with 16).
+      with 32 against 689.7 with 16); its deferred verify takes 32 from 2048 heads (2026-11-27, B =
+      64, T = 4 with a pending commit: bfloat16 187.6 -> 172.9, float32 258.3 -> 245.1; the buffer
+      verify within 3 % at 8, 16 and 32).
+    - KDA's commit (from saved u) from 2048 heads: 16 columns with a bfloat16 pool, 32 with a
+      float32 one (2026-11-27, T = 4, deferred verify + commit, B = 64 / 256: bfloat16 152.2 / 567.1
+      -> 142.9 / 538.3, float32 184.4 / 679.6 -> 179.6 / 650.5; GDN's and Lightning's commits keep
+      8: GDN bfloat16 118.0 against 123.8 with 16).
     Two warps per program were slower everywhere, up to 8x (``tile_split`` lays out one warp's
     lanes). Wider K needs proportionally more threads to hold the K x BV slice in registers. The
     interpreter (CPU) runs programs one after another: there fewer, wider programs are faster.
@@ -387,9 +393,13 @@ def block_v(N: int, HV: int, K: int, V: int, device: torch.device, op: str = "de
         bv *= 2
     if op in ("decode", "commit"):
         bv = min(bv, 8)
+        if op == "commit" and mode == "kda" and N * HV >= 2048:
+            bv = 32 if state_dtype == torch.float32 else 16
     elif mode != "lightning" and N * HV >= 2048 and (
             op != "deferred" or mode == "kda" or state_dtype != torch.float32):
         bv = 16
+    elif mode == "lightning" and op == "deferred" and N * HV >= 2048:
+        bv = 32
     bv = min(bv, V)
     return bv, max(1, K * bv // 4096)
 
