@@ -101,12 +101,13 @@ def test_decode_matches_oracle(mode, state_dtype, input_dtype, shape, generator)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("columns,shape", [(4, GVA), (8, GVA), (32, dict(GVA, K=128, V=64))],
-                         ids=["bv4", "bv8", "bv32_k128"])
+@pytest.mark.parametrize("columns,shape", [(4, GVA), (8, GVA), (16, dict(GVA, K=128, V=64)),
+                                           (32, dict(GVA, K=128, V=64))],
+                         ids=["bv4", "bv8", "bv16_k128", "bv32_k128"])
 def test_narrow_tiles_split_lanes_along_v(mode, columns, shape, monkeypatch, generator):
     """The GPU's V-tiles put lane groups along V and apply q's and k's l2norm and scale to the
     rows (``tile_split``), which the interpreter's default tiles never do with K = 32: 4 and 8
-    columns (small batches), and 32 columns with K = 128 (B >= 256), where a deferred verify
+    columns (small batches), and 16 and 32 columns with K = 128 (B >= 64), where a deferred verify
     takes 8 lanes along K and a decode 16. Decode and a deferred verify + commit against the
     oracle."""
     from cula_serve.kernels.delta_rule import recurrent_triton
@@ -115,7 +116,7 @@ def test_narrow_tiles_split_lanes_along_v(mode, columns, shape, monkeypatch, gen
         from cula_serve.kernels.lightning import recurrent_triton as lightning_recurrent
         monkeypatch.setattr(lightning_recurrent, "block_v", lambda *shape, **op: (columns, 1))
     split = recurrent_triton.tile_split(shape["K"], columns, mode == "kda", "deferred")
-    # 8 lanes x 4 channels along K (all of K = 32; at K = 128 the 32-column split), so 4 lane groups along V
+    # 8 lanes x 4 channels along K (all of K = 32; at K = 128 the deferred verify's split), so 4 lane groups along V
     assert split["LV"] == (1 if mode == "kda" else 4) and split["NORM_ON_ROWS"] == (mode != "kda")
     T = 3
     slots = torch.tensor(SLOTS, dtype=torch.int32)

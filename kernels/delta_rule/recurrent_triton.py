@@ -422,14 +422,17 @@ def tile_split(K: int, BV: int, per_channel_gate: bool, op: str) -> dict:
     rows or its channels of the vector (H200, B = 64, T = 4, GDN verify: 86.4 -> 82.6 us on the
     rows; on the rows at B = 256, 32-column tiles, the bf16-pool decode went 161 -> 186 us).
 
-    A deferred verify on 32-column tiles (B >= 256) splits further, 8 lanes x 4 channels along K
-    and 4 lane groups along V (H200, GDN verify + commit, T = 2 / 4 / 8: fp32 B = 256 497 -> 476,
-    623 -> 560, 916 -> 792 us; bf16 B = 512 662 -> 632, 964 -> 869, 1657 -> 1393). Ops that store
-    states keep 16 lanes along K: the buffer protocol lost 2-6 % with 8 (shorter store runs)."""
+    A deferred verify on tiles of 16 columns or more splits further, 8 lanes x 4 channels along K
+    and the rest along V (H200, GDN verify + commit, T = 2 / 4 / 8, 32-column tiles: fp32 B = 256
+    497 -> 476, 623 -> 560, 916 -> 792 us; bf16 B = 512 662 -> 632, 964 -> 869, 1657 -> 1393;
+    16-column tiles, bf16, T = 4, 2026-11-27: B = 64 118.3 -> 109.7, B = 256 434.6 -> 396.0, with
+    a pending commit 101.8 -> 98.2, 381.4 -> 359.0; 4 lanes along K lost: 112.5 / 117.4 at B = 64).
+    Ops that store states keep 16 lanes along K: the buffer protocol lost 2-6 % with 8 (shorter
+    store runs)."""
     if per_channel_gate or op == "commit":
         LV, KL = 1, K
     else:
-        KL = min(K, 32 if op == "deferred" and BV >= 32 else 64)
+        KL = min(K, 32 if op == "deferred" and BV >= 16 else 64)
         LV = min(BV, 32 // (KL // 4))
     return dict(LV=LV, KL=KL, NORM_ON_ROWS=BV // LV < K // (KL // 4))
 
