@@ -428,22 +428,47 @@ def _prepared_run(prepared: cute.Tensor, t, vector, part: Int32,
 
 
 @cute.jit
-def _prepared_values(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], channels: list,
-                     VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
-                     PAD: cutlass.Constexpr[int]) -> list:
-    """``channels`` of prepared vector ``vector`` of token t (the preparing warps' mapping)."""
-    return [prepared[_prep_index(t, vector, ch, VECTORS, G, CH, PAD)] for ch in channels]
+def _channel_run(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], first, VEC: cutlass.Constexpr[int],
+                 VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                 PAD: cutlass.Constexpr[int]) -> cute.Tensor:
+    """Channels first .. first + VEC - 1 of prepared vector ``vector`` of token t (first a multiple
+    of VEC, and CH is one: they lie in one run) as a [1, VEC] view, accessed as one vector where
+    the padded runs keep it aligned (16 bytes at K = 128). The preparing warps' lanes each take
+    VEC such channels: as VEC scalar accesses, four lanes of a warp hit each bank (H200, GDN
+    deferred verify, B = 64: 3.5-way store and 3.9-way load conflicts in ncu)."""
+    ALIGN = VEC if (CH + PAD) % VEC == 0 else 1
+    return _view(prepared.iterator, _prep_index(t, vector, first, VECTORS, G, CH, PAD), 1, 0, VEC, ALIGN)
 
 
 @cute.jit
-def _token_decay(prepared: cute.Tensor, scalars: cute.Tensor, A: Float32, t, channels: list,
+def _prepared_values(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], first, VEC: cutlass.Constexpr[int],
+                     VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                     PAD: cutlass.Constexpr[int]) -> list:
+    """VEC channels from ``first`` of prepared vector ``vector`` of token t (``_channel_run``)."""
+    run = _registers(_channel_run(prepared, t, vector, first, VEC, VECTORS, G, CH, PAD))
+    return [run[0, c] for c in range(VEC)]
+
+
+@cute.jit
+def _store_prepared(prepared: cute.Tensor, t, vector: cutlass.Constexpr[int], first, values: list,
+                    VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
+                    PAD: cutlass.Constexpr[int]):
+    """``values`` into channels from ``first`` of prepared vector ``vector`` of token t (``_channel_run``)."""
+    run = cute.make_rmem_tensor(cute.make_layout((1, len(values)), stride=(len(values), 1)), Float32)
+    for c in cutlass.range_constexpr(len(values)):
+        run[0, c] = values[c]
+    cute.autovec_copy(run, _channel_run(prepared, t, vector, first, len(values), VECTORS, G, CH, PAD))
+
+
+@cute.jit
+def _token_decay(prepared: cute.Tensor, scalars: cute.Tensor, A: Float32, t, first, VEC: cutlass.Constexpr[int],
                  FAMILY: cutlass.Constexpr[int], DECAY_VECTOR: cutlass.Constexpr[int],
                  VECTORS: cutlass.Constexpr[int], G: cutlass.Constexpr[int], CH: cutlass.Constexpr[int],
                  PAD: cutlass.Constexpr[int]) -> list:
-    """Token t's decay factor exp(g_t): KDA's per ``channels`` (prepared vector DECAY_VECTOR), else
-    one scalar (GDN's prepared, Lightning's head constant A)."""
+    """Token t's decay factor exp(g_t): KDA's for VEC channels from ``first`` (prepared vector
+    DECAY_VECTOR), else one scalar (GDN's prepared, Lightning's head constant A)."""
     if cutlass.const_expr(FAMILY == KDA):
-        return _prepared_values(prepared, t, DECAY_VECTOR, channels, VECTORS, G, CH, PAD)
+        return _prepared_values(prepared, t, DECAY_VECTOR, first, VEC, VECTORS, G, CH, PAD)
     return [A if cutlass.const_expr(FAMILY == LIGHTNING) else scalars[2 * t + 1]]
 
 
@@ -470,17 +495,17 @@ def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars
     K_VECTOR, Q_VECTOR, DECAY_VECTOR, KD_VECTOR, QD_VECTOR = 0, 1, 2, VECTORS - 2, VECTORS - 1
     for t in cutlass.range_constexpr(T):
         if warp == t % WARPS:
-            channels = [lane * VEC + c for c in range(VEC)]
-            kt = _prepared_values(prepared, t, K_VECTOR, channels, VECTORS, G, CH, PAD)
-            qt = _prepared_values(prepared, t, Q_VECTOR, channels, VECTORS, G, CH, PAD)
+            first = lane * VEC
+            kt = _prepared_values(prepared, t, K_VECTOR, first, VEC, VECTORS, G, CH, PAD)
+            qt = _prepared_values(prepared, t, Q_VECTOR, first, VEC, VECTORS, G, CH, PAD)
             decay = [Float32(1.0) for _ in range(VEC)]  # D_ts, s from t down to -1 (then Gamma_t)
             for s in cutlass.range_constexpr(t, -2, -1):
                 if cutlass.const_expr(s < t):
-                    gamma = _token_decay(prepared, scalars, A, s + 1, channels, FAMILY, DECAY_VECTOR, VECTORS, G, CH,
-                                         PAD)
+                    gamma = _token_decay(prepared, scalars, A, s + 1, first, VEC, FAMILY, DECAY_VECTOR, VECTORS, G,
+                                         CH, PAD)
                     decay = [decay[c] * gamma[c % len(gamma)] for c in range(VEC)]
                 if cutlass.const_expr(s >= 0):
-                    ks = _prepared_values(prepared, s, K_VECTOR, channels, VECTORS, G, CH, PAD)
+                    ks = _prepared_values(prepared, s, K_VECTOR, first, VEC, VECTORS, G, CH, PAD)
                     decayed = [decay[c] * ks[c] for c in range(VEC)]
                     if cutlass.const_expr(s < t and FAMILY != LIGHTNING):
                         a_ts = _head_dot(kt, decayed)
@@ -489,9 +514,10 @@ def _pair_coefficients(prepared: cute.Tensor, coefficients: cute.Tensor, scalars
                     b_ts = _head_dot(qt, decayed)
                     if lane == 0:
                         coefficients[1, t, s] = b_ts
-            for c in cutlass.range_constexpr(VEC):
-                prepared[_prep_index(t, KD_VECTOR, channels[c], VECTORS, G, CH, PAD)] = decay[c] * kt[c]
-                prepared[_prep_index(t, QD_VECTOR, channels[c], VECTORS, G, CH, PAD)] = decay[c] * qt[c]
+            _store_prepared(prepared, t, KD_VECTOR, first, [decay[c] * kt[c] for c in range(VEC)], VECTORS, G, CH,
+                            PAD)
+            _store_prepared(prepared, t, QD_VECTOR, first, [decay[c] * qt[c] for c in range(VEC)], VECTORS, G, CH,
+                            PAD)
 
 
 @cute.jit
@@ -502,13 +528,12 @@ def _stage_token(prepared: cute.Tensor, scalars: cute.Tensor, t, prepared_token:
     vector 1, KDA's per-channel decay after them; beta and the scalar decay into ``scalars``."""
     kt, decay, b, qt = prepared_token
     decay_vector = 1 + int(len(qt) > 0)
-    for c in cutlass.range_constexpr(VEC):
-        channel = lane * VEC + c
-        prepared[_prep_index(t, 0, channel, VECTORS, G, CH, PAD)] = kt[c]
-        if cutlass.const_expr(len(qt) > 0):
-            prepared[_prep_index(t, 1, channel, VECTORS, G, CH, PAD)] = qt[c]
-        if cutlass.const_expr(FAMILY == KDA):
-            prepared[_prep_index(t, decay_vector, channel, VECTORS, G, CH, PAD)] = decay[c]
+    first = lane * VEC
+    _store_prepared(prepared, t, 0, first, kt, VECTORS, G, CH, PAD)
+    if cutlass.const_expr(len(qt) > 0):
+        _store_prepared(prepared, t, 1, first, qt, VECTORS, G, CH, PAD)
+    if cutlass.const_expr(FAMILY == KDA):
+        _store_prepared(prepared, t, decay_vector, first, decay, VECTORS, G, CH, PAD)
     if lane == 0:
         scalars[2 * t] = b
         scalars[2 * t + 1] = decay[0]
@@ -528,7 +553,7 @@ def _fold_factors(prepared: cute.Tensor, scalars: cute.Tensor, A: Float32, T: cu
     if cutlass.const_expr(FAMILY != KDA):
         running = Float32(1.0)
         for t in cutlass.range_constexpr(T):
-            candidate = running * _token_decay(prepared, scalars, A, t, [], FAMILY, DECAY_VECTOR, VECTORS, G, CH,
+            candidate = running * _token_decay(prepared, scalars, A, t, 0, 1, FAMILY, DECAY_VECTOR, VECTORS, G, CH,
                                                PAD)[0]
             small = candidate < FOLD_FLOOR
             applied[t] = cutlass.select_(small, candidate, Float32(1.0))
@@ -598,14 +623,13 @@ def _decayed_pending_keys(prepared: cute.Tensor, scalars: cute.Tensor, operands:
         GROUP, MMAS = _commit_packing(TP)
         keys = [[Float32(0.0) for _ in range(VEC)] for _ in range(GROUP if TENSOR_CORES else 0)]
         for t in cutlass.range_constexpr(TP - 1, -1, -1):
-            key = _prepared_values(prepared, t, 0, channels, VECTORS, G, CH, PAD)
-            decay = _token_decay(prepared, scalars, Float32(1.0), t, channels, FAMILY, 1, VECTORS, G, CH, PAD)
-            for c in cutlass.range_constexpr(VEC):
-                decayed = key[c] * after[c % len(after)]
-                if cutlass.const_expr(TENSOR_CORES):
-                    keys[t][c] = cutlass.select_(t < count, decayed, Float32(0.0))
-                else:
-                    prepared[_prep_index(t, 0, channels[c], VECTORS, G, CH, PAD)] = decayed
+            key = _prepared_values(prepared, t, 0, thread * VEC, VEC, VECTORS, G, CH, PAD)
+            decay = _token_decay(prepared, scalars, Float32(1.0), t, thread * VEC, VEC, FAMILY, 1, VECTORS, G, CH, PAD)
+            decayed = [key[c] * after[c % len(after)] for c in range(VEC)]
+            if cutlass.const_expr(TENSOR_CORES):
+                keys[t] = [cutlass.select_(t < count, decayed[c], Float32(0.0)) for c in range(VEC)]
+            else:
+                _store_prepared(prepared, t, 0, thread * VEC, decayed, VECTORS, G, CH, PAD)
             after = [cutlass.select_(t < count, after[c] * decay[c], after[c]) for c in range(len(after))]
         if cutlass.const_expr(TENSOR_CORES):
             # each token pair (e = 0, 1) of a consumer lane's slots as one 4-byte store
@@ -626,8 +650,7 @@ def _decayed_pending_keys(prepared: cute.Tensor, scalars: cute.Tensor, operands:
                                     index = _commit_operand_index(consumer_group * 4 + p, within // 2, j, v2, 0, MMAS)
                                     cute.autovec_copy(values, _view(operands.iterator, index, 1, 0, 2, 2))
         if cutlass.const_expr(FAMILY == KDA):
-            for c in cutlass.range_constexpr(VEC):
-                prepared[_prep_index(0, 1, channels[c], VECTORS, G, CH, PAD)] = after[c]
+            _store_prepared(prepared, 0, 1, thread * VEC, after, VECTORS, G, CH, PAD)
         elif thread == 0:
             scalars[2 * TP] = after[0]
 
