@@ -18,7 +18,8 @@ def main(argv=None) -> int:
     latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256, 512])
     latency.add_argument("--verify-tokens", type=int, nargs="*", default=[2, 4, 8], help="none: decode only")
     latency.add_argument("--graph-layers", type=int, default=16,
-                         help="also time decode as one layer of a graph of this many (batch sizes up to 64; 1: off)")
+                         help="also time decode and the dispatched verify + commit as one layer of a graph of this "
+                              "many (batch sizes up to 64; 1: off)")
     latency.add_argument("--out-dir", default="bench_results")
     latency.add_argument("--seed", type=int, default=0)
     latency.add_argument("--peers", nargs="*", default=None, help="only these peers (default: every installed one)")

@@ -155,6 +155,13 @@ def _layered_verify(mode, kw, pool, slots, columns, T, backend, state_bytes, dec
     """The "graph of L layers" rows of verify + commit on ``backend`` (every protocol), each layer
     on its own pool; the ratio is over the dispatched decode's time per layer (``decode_ms``)."""
     rows = []
+    # each layer's pool, and the buffer protocol's T states a sequence
+    need = layers * (pool.numel() + slots.shape[0] * T * pool[0].numel()) * pool.element_size()
+    free = torch.cuda.mem_get_info(device)[0]
+    if need > free // 2:
+        print(f"{key['model']:12s} {key['state']:9s} B{key['B']:<4d} T{T} verify + commit, graph of {layers}: skipped "
+              f"({need / 2 ** 30:.1f} GiB of pools, {free / 2 ** 30:.1f} GiB free)", flush=True)
+        return rows
     for protocol in PROTOCOLS + ("pending",):
         ms = _time_layers(lambda: _cula_step(mode, kw, pool.clone(), slots, columns, T, protocol, backend), layers,
                           device)
