@@ -235,6 +235,32 @@ def test_decode_latency_reference_of_slots_verify_writes_every_column(generator)
     assert relative_error(states.view(2, 3, 4, 8, 8)[:, -1], work[slots.long()]) < 1e-5
 
 
+def test_decode_latency_layered_verify_rows_and_memory_guard(monkeypatch, generator, capsys):
+    """The per-layer verify rows: one per protocol, TB/s (T + 3 state volumes) for buffer and
+    slots only, the ratio over the decode's per-layer time; none when the L layers' pools would
+    take more than half the free GPU memory (the timing itself is stubbed: it needs a GPU)."""
+    shape = dict(H=2, HV=4, K=8, V=8)
+    B, T, layers = 3, 4, 16
+    kw, pool, slots, columns = decode_latency._inputs("gdn", shape, B, T, torch.float32, torch.device("cpu"),
+                                                      generator)
+    state_bytes = 2 * B * 4 * 8 * 8 * 4
+    monkeypatch.setattr(decode_latency, "_time_layers", lambda build, L, device: 0.002)
+    key = dict(model="m", state="float32", B=B)
+    need = layers * (pool.numel() + B * T * pool[0].numel()) * 4
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * need, 4 * need))
+    rows = decode_latency._layered_verify("gdn", kw, pool, slots, columns, T, "triton", state_bytes, 0.001, layers,
+                                          torch.device("cpu"), key)
+    assert [row["op"] for row in rows] == [f"verify+commit {p}" for p in ("deferred", "buffer", "slots", "pending")]
+    assert all(row["layers"] == layers and row["vs_decode"] == 2.0 and row["backend"] == "cula-triton" for row in rows)
+    for row in rows:
+        expected = (T + 3) * state_bytes / 2 / 2e-6 / 1e12 if row["op"].endswith(("buffer", "slots")) else None
+        assert row.get("TBps") == expected
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * need - 2, 4 * need))
+    assert decode_latency._layered_verify("gdn", kw, pool, slots, columns, T, "triton", state_bytes, 0.001, layers,
+                                          torch.device("cpu"), key) == []
+    assert "skipped" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------
 # offline: the trace, the continuous-batching scheduler, the attention cores, the whole command
 # ---------------------------------------------------------------------------------------------
