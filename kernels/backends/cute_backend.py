@@ -5,10 +5,10 @@
              kernels/delta_rule/recurrent_cute.py (gdn, kda and lightning: one kernel)
     buffer / slots commit
              the Triton backend's state copy (a plain copy of one state per sequence)
-    prefill  kernels/delta_rule/chunk_cute.py (GDN, long sequences in segments) and
-             kernels/lightning/chunk_cute.py (Lightning), bf16 rows, K = V = 128; KDA has no CuTe
-             DSL prefill, so dispatch passes it and every other shape to the Triton backend
-             (``call_error``), and batches that Triton runs faster (``defers``)
+    prefill  kernels/delta_rule/chunk_cute.py (GDN fused, long sequences in segments; KDA's state
+             pass after the Triton intra-chunk kernels) and kernels/lightning/chunk_cute.py
+             (Lightning), bf16 rows, K = V = 128; dispatch passes every other shape to the Triton
+             backend (``call_error``), and batches that Triton runs faster (``defers``)
 Shapes, dtypes, pool semantics and the three MTP protocols are those of the torch backend, the
 reference. Nothing synchronises with the host or compiles after the first call of a shape, so
 decode, verify and commit can be captured in CUDA graphs (warm up first: ``cula_serve.warmup``).
@@ -54,8 +54,8 @@ def head_dims_error(K: int, V: int) -> str | None:
 
 def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple = (), **_) -> str | None:
     """Why this backend cannot run a call that its dtypes and head dims admit (None when it can).
-    Its prefill kernels are GDN's and Lightning's for bf16 rows, K = V = 128 (the kernels'
-    ``unsupported``); the GDN prefill takes the option ``segment_tokens``, Lightning's none."""
+    Its prefill kernels take bf16 rows, K = V = 128 (the kernels' ``unsupported``); the GDN
+    prefill takes the option ``segment_tokens``, KDA's and Lightning's none."""
     if operation != "prefill":
         return None
     own = ("segment_tokens",) if mode == "gdn" else ()
@@ -95,7 +95,7 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
 
     Prefill where the CuTe DSL kernel's CTAs (one per sequence and value head) would fill less
     than ``PREFILL_MIN_SM_SHARE`` of the SMs, the Triton kernel cuts the batch into segments and
-    ours does not (Lightning never; GDN with checkpoints or where
+    ours does not (Lightning and KDA never; GDN with checkpoints or where
     ``segments.one_pass_segment_tokens`` finds it not worth it): a TP4 shard's 16 Lightning heads on one 8192-token sequence, 2.90
     against 1.15 ns per token-head on an H100."""
     lightning_decode = mode == "lightning" and N * HV >= 2048 and state_dtype != torch.float32
@@ -112,7 +112,7 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
             triton_segments, ours = lightning_segments(T, N, HV, D, device), 0
         else:
             triton_segments = delta_segments(T, N, HV, D, D, sms)
-            ours = one_pass_segment_tokens(T, N, HV, sms, checkpoints=checkpoints)
+            ours = one_pass_segment_tokens(T, N, HV, sms, checkpoints=checkpoints) if mode == "gdn" else 0
         if N * HV < PREFILL_MIN_SM_SHARE * sms and triton_segments and not ours:
             return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel spreads it "
                     "over more, in parallel")
@@ -126,8 +126,8 @@ def _no_options(operation: str, kwargs: dict):
 
 def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
             checkpoint_every=None, checkpoint_indices=None, **kwargs):
-    """Chunked prefill of a packed varlen batch (GDN and Lightning); arguments as for the torch
-    backend's ``prefill``, plus ``segment_tokens`` for GDN (``segments.one_pass_segment_tokens``).
+    """Chunked prefill of a packed varlen batch (GDN, KDA and Lightning); arguments as for the
+    torch backend's ``prefill``, plus ``segment_tokens`` for GDN (``segments.one_pass_segment_tokens``).
     Raises ValueError for calls it cannot run (``call_error``)."""
     common = dict(cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices,
                   has_initial_state=has_initial_state, out=out, checkpoint_every=checkpoint_every,
@@ -135,6 +135,9 @@ def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, 
     if recipe.mode == "lightning":
         _no_options("prefill", kwargs)
         return chunk_cute.lightning_prefill(recipe, q, k, v, g, beta, **common)
+    if recipe.mode == "kda":
+        _no_options("prefill", kwargs)
+        return delta_chunk_cute.kda_prefill(recipe, q, k, v, g, beta, **common)
     segment_tokens = kwargs.pop("segment_tokens", None)
     _no_options("prefill", kwargs)
     return delta_chunk_cute.gdn_prefill(recipe, q, k, v, g, beta, segment_tokens=segment_tokens, **common)

@@ -102,22 +102,21 @@ def row_inv_norms(tile: cute.Tensor, dst: cute.Tensor, tid: Int32, QK_L2NORM: cu
 
 
 @cute.jit
-def produce(tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_tiles: cute.Tensor,
-            tma_v: cute.CopyAtom, v_tiles: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-            loads, bos: Int32, num_chunks: Int32, h: Int32, hv: Int32, v_loads=None):
-    """The producer warp: each chunk's q, k and v tiles into the next free stage, by TMA. With
-    ``v_loads`` the v tiles go through that pipeline's stages, q and k through ``loads``'."""
-    cpasync.prefetch_descriptor(tma_q)
-    cpasync.prefetch_descriptor(tma_k)
-    cpasync.prefetch_descriptor(tma_v)
+def produce(tiles: tuple, v_spec: tuple, loads, bos: Int32, num_chunks: Int32, hv: Int32, v_loads=None):
+    """The producer warp: each chunk's tiles into the next free stage, by TMA. ``tiles``: one
+    (TMA atom, its [T, cols, heads] tiles view, head, the staged smem tile, cols) per operand
+    that fills a [C, cols] box of ``loads``' stage (q and k; KDA's decayed operands and products);
+    ``v_spec`` (TMA atom, tiles view, smem) v's two [C, 64] column halves of value head hv, through
+    ``v_loads``' stages when given, else ``loads``'."""
+    tma_v, v_tiles, sV = v_spec
     parts = []
-    for tma, tiles, head, smem, cols in ((tma_q, q_tiles, h, sQ, HEAD_DIM), (tma_k, k_tiles, h, sK, HEAD_DIM),
-                                         (tma_v, v_tiles, hv, sV, HALF)):
-        rows = cute.domain_offset((bos, 0), tiles[None, None, head])
+    for tma, gmem, head, smem, cols in (*tiles, (tma_v, v_tiles, hv, sV, HALF)):
+        cpasync.prefetch_descriptor(tma)
+        rows = cute.domain_offset((bos, 0), gmem[None, None, head])
         g = cute.local_tile(rows, (C, cols), (None, None))  # [C, cols, chunk, column block]
         parts.append(cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
                                            cute.group_modes(g, 0, 2)))
-    (sQ_part, gQ_part), (sK_part, gK_part), (sV_part, gV_part) = parts
+    sV_part, gV_part = parts[-1]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, loads.num_stages)
     # (without v_loads unused; a loop-carried state of its own, not an alias of ``state``, which
     # the loop rebinds)
@@ -126,8 +125,9 @@ def produce(tma_q: cute.CopyAtom, q_tiles: cute.Tensor, tma_k: cute.CopyAtom, k_
     for j in cutlass.range(num_chunks, unroll=1):
         loads.producer_acquire(state)
         full = loads.producer_get_barrier(state)
-        cute.copy(tma_q, gQ_part[None, j, 0], sQ_part[None, state.index], tma_bar_ptr=full)
-        cute.copy(tma_k, gK_part[None, j, 0], sK_part[None, state.index], tma_bar_ptr=full)
+        for i in cutlass.range_constexpr(len(tiles)):
+            s_part, g_part = parts[i]
+            cute.copy(tiles[i][0], g_part[None, j, 0], s_part[None, state.index], tma_bar_ptr=full)
         v_full = full
         v_stage = state.index
         if const_expr(v_loads is not None):
@@ -446,7 +446,8 @@ def launch_arguments(recipe, q, k, v, out, cu_seqlens, state_pool, state_indices
     return scalars, constexprs
 
 
-ALIGNED = ("q", "k", "v", "out", "q_carried")  # TMA bases and 16-byte row stores
+# TMA bases and 16-byte row stores (KDA's state pass: its operand tiles)
+ALIGNED = ("q", "k", "v", "out", "q_carried", "Qd", "Ke", "Kd", "P", "T")
 SCALARS = (64, 1, 1, 0, C, 0, 1.0)  # T, N, P, num_checkpoints, checkpoint_every, checkpoint_stride, scale
 
 

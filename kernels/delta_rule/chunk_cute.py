@@ -1,4 +1,4 @@
-"""Chunked prefill of GDN (the gated delta rule with a scalar gate) in CuTe DSL for SM90: one fused kernel.
+"""Chunked prefill of the gated delta rule in CuTe DSL for SM90: GDN in one fused kernel, KDA's state pass.
 
 The math is ``chunk_torch.py``'s WY form (read ``chunk_triton.py``'s docstring first). Per chunk of
 C = 64 tokens, rows t = 0 .. L - 1 valid, G the chunk-local cumulative log gate, rk / rq the rows'
@@ -91,7 +91,29 @@ correction 194 (421), composition 16 (18). H100, 32 heads, CUDA-graph replay:
 Supported: bf16 q / k / v with K = V = 128 and 16-byte aligned rows, float32 / bf16 gates and beta
 as given or fused (``Recipe.fused_gate``, ``beta_logits``), float32 or bf16 pools, padding slots,
 has_initial_state, GVA, qk l2norm, checkpoints (unsegmented), dense states (through the API),
-segments; the dispatcher passes anything else (KDA included) to Triton.
+segments; the dispatcher passes anything else to Triton.
+
+KDA (``kda_prefill``): the per-channel gate's decays do not factor out of a product as GDN's
+scalar ones do, so KDA's intra-chunk stage stays in Triton for now (``chunk_triton.kda_chunk_operands``:
+the gate pass, the 16 x 16 block kernel with its FACTOR_SPAN guard, the inverse) and writes per
+chunk P (bf16), T = M^-1 (fp16), Qd = scale exp(G) Q / |q| and Ke = exp(G) K / |k| (bf16),
+Kd = exp(G_C - G) K / |k| (fp16) and G. ``_kda_kernel`` then runs the state chain of the state
+warpgroups above (``_state_math`` with PER_CHANNEL) on those tiles, streamed by TMA, in place of
+Triton's W / U~ kernel and state pass:
+    Z = S^T Ke^T,  U^T = ((V^T - Z) diag(beta)) T^T,  O^T = S^T Qd^T + U^T P^T,
+    S^T <- S^T diag(exp(G_C)) + U^T Kd
+with U^T in two fp16 parts against fp16 Kd (22 and 11 significant bits, as Triton's tf32 product
+keeps 11), Z and O from S^T's bf16 copy as GDN's. Warp 0 of the load warpgroup streams the five
+tiles (64 KB a chunk, KDA_STAGES of them) and v; warps 1 .. 3 write beta and exp(G_C) per chunk
+and zero Kd's rows past the sequence. A chunk's rows past its sequence are the next sequence's,
+or for a padding sequence never written (any bits, NaN included): U's and Z's columns there are
+selected to zero rather than multiplied by beta's zeros, and Kd's rows are zeroed (0 x NaN is
+NaN in the update). H200, bench_serving, CUDA-graph replay, ns per token-head (Triton's whole
+prefill / this): 4 x 8192 3.197 / 2.294, 8 x 1024 3.342 / 2.471, 1 x 2048 4.448 / 3.504,
+unsegmented 1 x 32768 3.976 (Triton in segments) / 3.062; a TP4 shard of 8 heads on one 8192-token
+sequence 5.564 (segments) / 6.799, which dispatch gives to Triton (``cute_backend.defers``).
+Relative error 3.3e-3 to 3.4e-3 against the torch reference (Triton 3.0e-3, FLA 4.8e-3).
+No segments and no fused intra-chunk stage yet: see BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -101,7 +123,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr, pipeline
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, MmaF16BF16Op, StMatrix8x8x16bOp
 import cuda.bindings.driver as cuda
 
@@ -112,6 +134,7 @@ from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, block_segment, bloc
 from ..common import segments
 from ..common.affine_output import correct_segment_outputs
 from ..common.prep import Recipe
+from .chunk_triton import kda_chunk_operands
 from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid
 
 BLOCK = 16  # rows of an mma.sync tile in the solve, and of the diagonal blocks its first doubling makes
@@ -123,12 +146,16 @@ QK_STAGES = 3  # q / k tiles in flight: a chunk's are read from the aux's turn t
 V_STAGES = 2
 PRODUCT_STAGES = 2  # P and T buffers: the aux writes the next chunk's while the state warpgroups read this one's
 VECTORS = 12  # per-row float32 vectors of a chunk (``_vectors``)
-# registers per thread: 65536 over the four warpgroups, each starting with LAUNCH_REGS (aux 136 /
-# state 176 and 152 / 168 measured within 2% of these, either way by shape)
-LAUNCH_REGS = 65536 // GDN_THREADS
+# registers per thread: 65536 over the four warpgroups, each starting with 65536 / GDN_THREADS
+# (aux 136 / state 176 and 152 / 168 measured within 2% of these, either way by shape)
 LOAD_REGS = 24
 AUX_REGS = 104
 STATE_REGS = 192
+# KDA's state pass (``_kda_kernel``): the load warpgroup (TMA, preparation) and two state warpgroups
+KDA_THREADS = 384
+KDA_STAGES = 2  # Qd, Ke, Kd, P and T of a chunk (64 KB) in flight
+KDA_LOAD_REGS = 40
+KDA_STATE_REGS = 232
 # named barriers: 0 is the CTA's, 1 and 2 each state warpgroup's (``finish_chunk``)
 AUX = 3  # the aux warpgroup
 PAIR = 4  # 4 and 5: the aux's warps 0 and 1, and 2 and 3, in the solve
@@ -455,34 +482,42 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
 
 
 @cute.jit
-def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, loads, v_loads, products, w: Int32,
+def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, products, w: Int32,
                 tid: Int32, out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor,
                 has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor, checkpoint_every: Int32,
                 num_checkpoints: Int32, n: Int32, hv: Int32, bos: Int32, length: Int32,
-                num_chunks: Int32, slot: Int64, live, segment: tuple, layouts: cutlass.Constexpr,
+                num_chunks: Int32, slot: Int64, live, segment: tuple, out_layout: cutlass.Constexpr,
                 HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool],
-                HAS_CKPT: cutlass.Constexpr[bool], SEGMENTED: cutlass.Constexpr[bool]):
+                HAS_CKPT: cutlass.Constexpr[bool], SEGMENTED: cutlass.Constexpr[bool],
+                PER_CHANNEL: cutlass.Constexpr[bool] = False):
     """A state warpgroup: state rows and output columns w * 64 .. w * 64 + 63 (module docstring),
     the chunk's chain from the aux's products.
+
+    ``operands`` (Q, K_z, K_u, P, T) staged [C, D, stages]: the tiles of S^T Q^T, Z = S^T K_z^T and
+    the update's U^T K_u, and the products. GDN: raw q, k, k (bf16, row factors applied around the
+    products) and P / T in the aux's PRODUCT_STAGES buffers, ``products`` the aux's pipeline.
+    PER_CHANNEL (KDA, ``_kda_kernel``): the decayed Qd, Ke (bf16) and Kd (fp16), used as they
+    are, and P / T, all in the stage of ``loads``; ``products`` the preparation warps' ``ready``
+    (the stage's beta and exp(G_C) vectors, Kd's rows past the sequence zeroed). The update then
+    takes U^T in two fp16 parts against Kd, and S^T's columns decay by exp(G_C) one by one.
 
     SEGMENTED: ``segment`` = (transitions, q_carried, sid, j, last, maps), the CTA a segment's
     (``_gdn_kernel``): value rows (maps false) start from the pool in a sequence's first segment
     (j = 0) and from zeros after it; map rows start from the identity and see zero values, their
     outputs go to q_carried. Final states go to transitions[sid] (value rows 0 .. 127, map rows
     128 .. 255) except a whole sequence's, which goes to the pool."""
-    out_layout, products_layout = layouts
+    sQ, sK, sK_update, sP, sT = operands
     sO_both = storage.sO.get_tensor(out_layout.outer, swizzle=out_layout.inner)
     sO = sO_both[None, None, w]
-    sP = storage.sP.get_tensor(products_layout.outer, swizzle=products_layout.inner)
-    sT = storage.sT.get_tensor(products_layout.outer, swizzle=products_layout.inner)
 
     K_ = warpgroup.OperandMajorMode.K
     MN = warpgroup.OperandMajorMode.MN
     RMEM = warpgroup.OperandSource.RMEM
     mma_up = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, K_, Float32, (1, 1, 1), (HALF, C),
                                                a_source=RMEM)
-    mma_st = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_, MN, Float32, (1, 1, 1), (HALF, HEAD_DIM),
-                                               a_source=RMEM)
+    update_type = Float16 if const_expr(PER_CHANNEL) else BFloat16
+    mma_st = sm90_utils.make_trivial_tiled_mma(update_type, update_type, K_, MN, Float32, (1, 1, 1),
+                                               (HALF, HEAD_DIM), a_source=RMEM)
     # U^T = ((V^T - Z) diag(beta)) T^T with T as the aux leaves it, in fp16
     mma_u = sm90_utils.make_trivial_tiled_mma(Float16, Float16, K_, K_, Float32, (1, 1, 1), (HALF, C),
                                               a_source=RMEM)
@@ -502,7 +537,7 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     tXrK = mma_up.make_fragment_B(thr_up.partition_B(sK))                       # K [s, k]
     tOrQ = mma_up.make_fragment_B(thr_up.partition_B(sQ))                       # Q [t, k]
     tOrP = mma_up.make_fragment_B(thr_up.partition_B(sP))                       # P [t, s]
-    tSrK = mma_st.make_fragment_B(thr_st.partition_B(transposed(sK)))          # K as [k, s]
+    tSrK = mma_st.make_fragment_B(thr_st.partition_B(transposed(sK_update)))   # K as [k, s]
     accU = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), Float32)
     accX = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), Float32)
     accO = cute.make_rmem_tensor(thr_up.partition_shape_C((HALF, C)), Float32)
@@ -514,6 +549,7 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     tSrU_hi = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
     tSrU_lo = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))
     cU = thr_up.partition_C(cute.make_identity_tensor((HALF, C)))  # (row, column) of each element
+    cS = thr_st.partition_C(cute.make_identity_tensor((HALF, HEAD_DIM)))
 
     if const_expr(SEGMENTED):
         transitions, q_carried, sid, j_segment, last, maps = segment
@@ -530,8 +566,8 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
     store = output_store(tma_o, o_tiles, sO_both, bos, hv)
 
     if live:
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, V_STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, loads.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, v_loads.num_stages)
         chunk = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, PRODUCT_STAGES)
         for j in cutlass.range(num_chunks, unroll=1):
             L = cutlass.min(length - j * C, C)
@@ -539,18 +575,23 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
                 tUrS[i] = BFloat16(accS[i])
             pin(tUrS)
             output_read(tid)
-            products.consumer_wait(chunk)
             loads.consumer_wait(state)
-            v_loads.consumer_wait(v_state)
             stage = state.index
-            vectors = _vectors(storage, stage)
-            sB, sDecay, z, u, o = vectors[1], vectors[2], vectors[9], vectors[10], vectors[11]
+            product_stage = stage
+            if const_expr(PER_CHANNEL):
+                products.consumer_wait(state)
+                sB, gate_decay = _kda_vectors(storage, stage)
+            else:
+                products.consumer_wait(chunk)
+                product_stage = chunk.index
+                vectors = _vectors(storage, stage)
+                sB, sDecay, z, u, o = vectors[1], vectors[2], vectors[9], vectors[10], vectors[11]
+            v_loads.consumer_wait(v_state)
 
             # Z = (S^T K^T) diag(exp(G) rk) and the output's S^T Q^T, the only products of S^T's bf16 copy
             warpgroup.fence()
             gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
             gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
-            decay_L = sDecay[C - 1]
             warpgroup.wait_group(0)
             # V^T only now: loaded under the products it would share the registers with S^T's copy
             cute.copy(v_copy, tVsV[None, None, None, 2 * v_state.index + w], v_copy.retile(tVrV))
@@ -560,7 +601,11 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
                 v = Float32(tVrV[i])
                 if const_expr(SEGMENTED):
                     v = cutlass.select_(maps == 0, v, Float32(0.0))
-                tUrZ[i] = Float16((v - accX[i] * z[s]) * sB[s])
+                if const_expr(PER_CHANNEL):
+                    # a select, not beta's zero: Ke's rows past the sequence may hold anything
+                    tUrZ[i] = Float16(cutlass.select_(s < L, (v - accX[i]) * sB[s], Float32(0.0)))
+                else:
+                    tUrZ[i] = Float16((v - accX[i] * z[s]) * sB[s])
             # V^T was read through the generic proxy and the stage is refilled by TMA (the async
             # proxy): without this fence the segmented build's last ldmatrix.trans of V^T sat right
             # before the release's arrive, still in flight, and the refill raced it (one chunk's U
@@ -568,27 +613,42 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             cute.arch.fence_proxy("async.shared", space="cta")
             v_loads.consumer_release(v_state)
             warpgroup.fence()
-            gemm(mma_u, accU, tUrZ, tZrT[None, None, None, chunk.index], False)
-            for i in cutlass.range_constexpr(cute.size(accO)):
-                t = cU[i][1]
-                accO[i] = accO[i] * o[t]
+            gemm(mma_u, accU, tUrZ, tZrT[None, None, None, product_stage], False)
+            if const_expr(not PER_CHANNEL):
+                for i in cutlass.range_constexpr(cute.size(accO)):
+                    t = cU[i][1]
+                    accO[i] = accO[i] * o[t]
             cute.arch.barrier(barrier_id=1 + w, number_of_threads=128)  # the last output store has read sO
             warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(accU)):
                 s = cU[i][1]
-                tUrU[i] = BFloat16(accU[i])
-                x = accU[i] * u[s]
-                hi = BFloat16(x)
-                tSrU_hi[i] = hi
-                tSrU_lo[i] = BFloat16(x - Float32(hi))
-            for i in cutlass.range_constexpr(cute.size(accS)):
-                accS[i] = accS[i] * decay_L
+                if const_expr(PER_CHANNEL):
+                    # T's rows past the sequence may hold anything: U's columns there are dropped
+                    x = cutlass.select_(s < L, accU[i], Float32(0.0))
+                    tUrU[i] = BFloat16(x)
+                    hi = Float16(x)
+                    tSrU_hi[i] = hi
+                    tSrU_lo[i] = Float16(x - Float32(hi))
+                else:
+                    tUrU[i] = BFloat16(accU[i])
+                    x = accU[i] * u[s]
+                    hi = BFloat16(x)
+                    tSrU_hi[i] = hi
+                    tSrU_lo[i] = BFloat16(x - Float32(hi))
+            if const_expr(PER_CHANNEL):
+                for i in cutlass.range_constexpr(cute.size(accS)):
+                    accS[i] = accS[i] * gate_decay[cS[i][1]]
+            else:
+                decay_L = sDecay[C - 1]
+                for i in cutlass.range_constexpr(cute.size(accS)):
+                    accS[i] = accS[i] * decay_L
             warpgroup.fence()
-            gemm(mma_up, accO, tUrU, tOrP[None, None, None, chunk.index], True)
+            gemm(mma_up, accO, tUrU, tOrP[None, None, None, product_stage], True)
             gemm(mma_st, accS, tSrU_hi, tSrK[None, None, None, stage], True)
             gemm(mma_st, accS, tSrU_lo, tSrK[None, None, None, stage], True)
             warpgroup.wait_group(0)
-            products.consumer_release(chunk)
+            if const_expr(not PER_CHANNEL):
+                products.consumer_release(chunk)
             loads.consumer_release(state)
             chunk.advance()
             state.advance()
@@ -621,11 +681,16 @@ def _state_math(storage, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, load
             zero_rows(sO, out, hv, bos, length, w, tid)
 
 
+def _swizzled(storage, *fields) -> list:
+    """The shared-memory tensors of ``storage``'s fields (name, swizzled layout), in order."""
+    return [getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner) for name, layout in fields]
+
+
 @cute.jit
-def _set_registers(count: cutlass.Constexpr[int]):
+def _set_registers(count: cutlass.Constexpr[int], THREADS: cutlass.Constexpr[int] = GDN_THREADS):
     """This warpgroup's registers per thread set to ``count`` (setmaxnreg): .dec below the launch's
-    LAUNCH_REGS, .inc above (.dec must not raise the count)."""
-    if const_expr(count < LAUNCH_REGS):
+    share of the register file for THREADS threads, .inc above (.dec must not raise the count)."""
+    if const_expr(count < 65536 // THREADS // 8 * 8):
         cute.arch.warpgroup_reg_dealloc(count)
     else:
         cute.arch.warpgroup_reg_alloc(count)
@@ -681,9 +746,8 @@ def _gdn_kernel(
         vectors: cute.struct.Align[cute.struct.MemRange[Float32, QK_STAGES * VECTORS * C], 16]
 
     storage = cutlass.utils.SmemAllocator().allocate(Shared)
-    sQ = storage.sQ.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
-    sK = storage.sK.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
-    sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+    sQ, sK, sV, sP, sT = _swizzled(storage, ("sQ", tile_layout), ("sK", tile_layout), ("sV", v_layout),
+                                   ("sP", products_layout), ("sT", products_layout))
 
     barriers = storage.barriers.data_ptr()
     loads = make_loads(barriers, QK_STAGES, 2, 12, defer_sync=True)  # read by the aux and state warps
@@ -701,8 +765,8 @@ def _gdn_kernel(
         _set_registers(LOAD_REGS)
         if live:
             if warp == 0:
-                produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv,
-                        v_loads)
+                produce(((tma_q, q_tiles, h, sQ, HEAD_DIM), (tma_k, k_tiles, h, sK, HEAD_DIM)), (tma_v, v_tiles, sV),
+                        loads, bos, num_chunks, hv, v_loads)
             else:
                 _prepare(storage, sQ, sK, loads, ready, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
                          warp, tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
@@ -712,10 +776,10 @@ def _gdn_kernel(
             _aux(storage, sQ, sK, loads, ready, products, tidx - 384, num_chunks, products_layout)
     else:
         _set_registers(STATE_REGS)
-        _state_math(storage, sQ, sK, sV, loads, v_loads, products, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles,
-                    pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv,
-                    bos, length, num_chunks, slot, live, segment, (out_layout, products_layout),
-                    HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT, SEGMENTED)
+        _state_math(storage, (sQ, sK, sK, sP, sT), sV, loads, v_loads, products, wg - 1, tidx - 128 * wg, out, tma_o,
+                    o_tiles, pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv,
+                    bos, length, num_chunks, slot, live, segment, out_layout, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
+                    SEGMENTED)
 
 
 @cute.jit
@@ -762,6 +826,176 @@ def _launch(
 
 
 # ------------------------------------------------------------------------------------------------
+# KDA: the state pass over the intra-chunk operands of ``chunk_triton.kda_chunk_operands``
+
+
+@cute.jit
+def _kda_vectors(storage, slot: Int32) -> tuple:
+    """Chunk slot ``slot``'s vectors: beta float32 [C] (zero past the sequence) and exp(G_C)
+    float32 [HEAD_DIM], the state's per-channel decay over the chunk."""
+    base = storage.vectors.data_ptr() + slot * (C + HEAD_DIM)
+    return cute.make_tensor(base, cute.make_layout(C)), cute.make_tensor(base + C, cute.make_layout(HEAD_DIM))
+
+
+@cute.jit
+def _kda_inputs(gate: cute.Tensor, beta: cute.Tensor, row0: Int32, L: Int32, hv: Int32, warp: Int32,
+                lane: Int32) -> list:
+    """A preparation warp's raw inputs for the chunk of L rows (L <= 0: none) from token row0,
+    loaded a chunk ahead: warp 1 the betas of rows 2 lane and 2 lane + 1, warp 2 G at the chunk's
+    last row for channels 4 lane .. 4 lane + 3 (zeros where nothing is loaded)."""
+    raw = []
+    for e in cutlass.range_constexpr(4):
+        x = Float32(0.0)
+        if (warp == 1) & (e < 2) & (2 * lane + e < L):
+            x = Float32(beta[row0 + 2 * lane + e, hv])
+        if (warp == 2) & (L > 0):
+            x = Float32(gate[row0 + L - 1, hv, 4 * lane + e])
+        raw.append(x)
+    return raw
+
+
+@cute.jit
+def _kda_prepare(storage, sKd: cute.Tensor, loads, ready, gate: cute.Tensor, beta: cute.Tensor, hv: Int32,
+                 bos: Int32, length: Int32, num_chunks: Int32, warp: Int32, lane: Int32,
+                 BETA_LOGITS: cutlass.Constexpr[bool]):
+    """Warps 1 .. 3 of the load warpgroup, per chunk once its tiles have landed: warp 1 the betas
+    (zero past the sequence), warp 2 exp(G_C), warp 3 zeros into Kd's rows past the sequence
+    (they hold the next sequence's rows, or nothing ever written: the update multiplies them by
+    U's zero columns, and 0 x NaN is NaN); then ``ready``."""
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KDA_STAGES)
+    raw = _kda_inputs(gate, beta, bos, cutlass.min(length, C), hv, warp, lane)
+    zero = cute.make_rmem_tensor(cute.make_layout(8), Float16)
+    zero.fill(0.0)
+    for j in cutlass.range(num_chunks, unroll=1):
+        L = cutlass.min(length - j * C, C)
+        loads.consumer_wait(state)
+        sB, gate_decay = _kda_vectors(storage, state.index)
+        if warp == 1:
+            for e in cutlass.range_constexpr(2):
+                b = raw[e]
+                if const_expr(BETA_LOGITS):
+                    b = _sigmoid(b)
+                sB[2 * lane + e] = cutlass.select_(2 * lane + e < L, b, Float32(0.0))
+        elif warp == 2:
+            for e in cutlass.range_constexpr(4):
+                gate_decay[4 * lane + e] = cute.math.exp2(raw[e] * Float32(LOG2E), fastmath=True)
+        elif L < C:
+            tile = sKd[None, None, state.index]
+            for p in cutlass.range(lane, (C - L) * (HEAD_DIM // 8), 32, unroll=1):
+                cute.autovec_copy(zero, cute.local_tile(tile[L + p // (HEAD_DIM // 8), None], (8,),
+                                                        (p % (HEAD_DIM // 8),)))
+            cute.arch.fence_proxy("async.shared", space="cta")  # the zeros visible to the update's wgmma
+        raw = _kda_inputs(gate, beta, bos + (j + 1) * C, cutlass.min(length - (j + 1) * C, C), hv, warp, lane)
+        ready.producer_commit(state)
+        state.advance()
+
+
+@cute.kernel
+def _kda_kernel(
+    tma_qd: cute.CopyAtom, qd_tiles: cute.Tensor, tma_ke: cute.CopyAtom, ke_tiles: cute.Tensor,
+    tma_kd: cute.CopyAtom, kd_tiles: cute.Tensor, tma_p: cute.CopyAtom, p_tiles: cute.Tensor,
+    tma_t: cute.CopyAtom, t_tiles: cute.Tensor, tma_v: cute.CopyAtom, v_tiles: cute.Tensor,
+    out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, gate: cute.Tensor,
+    beta: cute.Tensor, cu_seqlens: cute.Tensor, state_indices: cute.Tensor, has_initial_state: cute.Tensor,
+    checkpoint_indices: cute.Tensor, checkpoint_every: Int32, num_checkpoints: Int32,
+    HV: cutlass.Constexpr[int], BETA_LOGITS: cutlass.Constexpr[bool], HAS_SLOTS: cutlass.Constexpr[bool],
+    HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
+):
+    """KDA, one (sequence, value head), blockIdx.x = sequence * HV + value head: warp 0 streams
+    each chunk's Qd, Ke, Kd, P and T tiles (``loads``) and v (``v_loads``) by TMA, warps 1 .. 3
+    prepare its vectors (``_kda_prepare``), warpgroups 1 and 2 run the state chain
+    (``_state_math`` with PER_CHANNEL)."""
+    tidx = cute.arch.thread_idx()[0]
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    wg = warp // 4
+    n, hv, _, bos, length, num_chunks, slot = block_sequence(cu_seqlens, state_indices, HV, 1, HAS_SLOTS)
+    live = slot >= 0
+
+    tile_layout = kmajor(C, HEAD_DIM, KDA_STAGES)
+    v_layout = kmajor(C, HALF, 2 * V_STAGES)
+    out_layout = kmajor(C, HALF, 2)
+    products_layout = kmajor(C, C, KDA_STAGES)
+
+    @cute.struct
+    class Shared:
+        barriers: cute.struct.MemRange[Int64, 2 * (2 * KDA_STAGES + V_STAGES)]
+        sQd: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
+        sKe: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
+        sKd: cute.struct.Align[cute.struct.MemRange[Float16, cute.cosize(tile_layout)], 1024]
+        sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(v_layout)], 1024]
+        sO: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(out_layout)], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(products_layout)], 1024]
+        sT: cute.struct.Align[cute.struct.MemRange[Float16, cute.cosize(products_layout)], 1024]
+        vectors: cute.struct.Align[cute.struct.MemRange[Float32, KDA_STAGES * (C + HEAD_DIM)], 16]
+
+    storage = cutlass.utils.SmemAllocator().allocate(Shared)
+    sQd, sKe, sKd, sV, sP, sT = _swizzled(storage, ("sQd", tile_layout), ("sKe", tile_layout), ("sKd", tile_layout),
+                                          ("sV", v_layout), ("sP", products_layout), ("sT", products_layout))
+
+    barriers = storage.barriers.data_ptr()
+    # one transaction of three [C, 128] and two [C, C] 16-bit tiles: four [C, 128] tiles' bytes
+    loads = make_loads(barriers, KDA_STAGES, 4, 8, defer_sync=True)
+    v_loads = make_loads(barriers + 2 * KDA_STAGES, V_STAGES, 1, 8, defer_sync=True)
+    ready = pipeline.PipelineAsync.create(
+        barrier_storage=barriers + 2 * (KDA_STAGES + V_STAGES), num_stages=KDA_STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 96),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1))
+
+    if wg == 0:
+        _set_registers(KDA_LOAD_REGS, KDA_THREADS)
+        if live:
+            if warp == 0:
+                produce(((tma_qd, qd_tiles, hv, sQd, HEAD_DIM), (tma_ke, ke_tiles, hv, sKe, HEAD_DIM),
+                         (tma_kd, kd_tiles, hv, sKd, HEAD_DIM), (tma_p, p_tiles, hv, sP, C),
+                         (tma_t, t_tiles, hv, sT, C)), (tma_v, v_tiles, sV), loads, bos, num_chunks, hv, v_loads)
+            else:
+                _kda_prepare(storage, sKd, loads, ready, gate, beta, hv, bos, length, num_chunks, warp, tidx % 32,
+                             BETA_LOGITS)
+    else:
+        _set_registers(KDA_STATE_REGS, KDA_THREADS)
+        _state_math(storage, (sQd, sKe, sKd, sP, sT), sV, loads, v_loads, ready, wg - 1, tidx - 128 * wg, out,
+                    tma_o, o_tiles, pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
+                    n, hv, bos, length, num_chunks, slot, live, (), out_layout, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
+                    False, True)
+
+
+@cute.jit
+def _kda_launch(
+    qd_ptr: cute.Pointer, ke_ptr: cute.Pointer, kd_ptr: cute.Pointer, p_ptr: cute.Pointer, t_ptr: cute.Pointer,
+    v_ptr: cute.Pointer, o_ptr: cute.Pointer, pool_ptr: cute.Pointer, gate_ptr: cute.Pointer, beta_ptr: cute.Pointer,
+    cu_ptr: cute.Pointer, indices_ptr: cute.Pointer, init_ptr: cute.Pointer, ckpt_ptr: cute.Pointer,
+    T: Int32, N: Int32, P: Int32, num_checkpoints: Int32, checkpoint_every: Int32, checkpoint_stride: Int32,
+    scale: Float32, stream: cuda.CUstream,
+    STRIDES: cutlass.Constexpr[tuple], BETA_STRIDES: cutlass.Constexpr[tuple], HV: cutlass.Constexpr[int],
+    BETA_LOGITS: cutlass.Constexpr[bool], HAS_SLOTS: cutlass.Constexpr[bool], HAS_POOL: cutlass.Constexpr[bool],
+    HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
+):
+    """Views of the raw pointers, the TMA descriptors and the launch of ``_kda_kernel`` (N x HV
+    CTAs). Qd, Ke, Kd, G: contiguous [T, HV, 128]; P, T: contiguous [T, HV, C]; STRIDES as
+    ``cute_prefill.strides`` gives them for (Qd, Ke, v, out, pool). ``scale`` is in Qd and P."""
+    (tma_qd, qd_tiles, tma_ke, ke_tiles, tma_v, v_tiles, o, tma_o, o_tiles, pool, cu_seqlens, state_indices,
+     has_initial_state, checkpoint_indices) = tensor_views(qd_ptr, ke_ptr, v_ptr, o_ptr, pool_ptr, cu_ptr, indices_ptr,
+                                                           init_ptr, ckpt_ptr, T, N, P, num_checkpoints,
+                                                           checkpoint_stride, STRIDES, HV, HV)
+    D = HEAD_DIM
+    load = cpasync.CopyBulkTensorTileG2SOp()
+    kd = cute.make_tensor(kd_ptr, cute.make_layout((T, D, HV), stride=(HV * D, 1, D)))
+    tma_kd, kd_tiles = cpasync.make_tiled_tma_atom(load, kd, kmajor(C, D), (C, D))
+    products = []
+    for ptr in (p_ptr, t_ptr):
+        x = cute.make_tensor(ptr, cute.make_layout((T, C, HV), stride=(HV * C, 1, C)))
+        products.append(cpasync.make_tiled_tma_atom(load, x, kmajor(C, C), (C, C)))
+    (tma_p, p_tiles), (tma_t, t_tiles) = products
+    gate = cute.make_tensor(gate_ptr, cute.make_layout((T, HV, D), stride=(HV * D, D, 1)))
+    beta = cute.make_tensor(beta_ptr, cute.make_layout((T, HV), stride=BETA_STRIDES))
+    _kda_kernel(
+        tma_qd, qd_tiles, tma_ke, ke_tiles, tma_kd, kd_tiles, tma_p, p_tiles, tma_t, t_tiles, tma_v, v_tiles,
+        o, tma_o, o_tiles, pool, gate, beta, cu_seqlens, state_indices, has_initial_state, checkpoint_indices,
+        checkpoint_every, num_checkpoints, HV, BETA_LOGITS, HAS_SLOTS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
+    ).launch(grid=(N * HV, 1, 1), block=(KDA_THREADS, 1, 1), stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
 # host side
 
 _POINTERS = ("q", "k", "v", "out", "pool", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "state_indices",
@@ -769,11 +1003,11 @@ _POINTERS = ("q", "k", "v", "out", "pool", "g", "beta", "A_log", "dt_bias", "cu_
 
 
 def unsupported(mode: str, q, k, v, out, pool) -> str | None:
-    """Why this kernel cannot run a call (None when it can): GDN only (KDA's per-channel gate has
-    no CuTe DSL prefill), and the rows ``cute_prefill.unsupported`` admits."""
-    if mode != "gdn":
-        return f"no CuTe DSL prefill for {mode} (the fused delta-rule kernel takes GDN's scalar gate)"
-    return unsupported_rows("GDN", q, k, v, out, pool)
+    """Why these kernels cannot run a call (None when they can): GDN and KDA, the rows
+    ``cute_prefill.unsupported`` admits."""
+    if mode not in ("gdn", "kda"):
+        return f"no CuTe DSL delta-rule prefill for {mode}"
+    return unsupported_rows(mode.upper(), q, k, v, out, pool)
 
 
 def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
@@ -825,4 +1059,42 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
         segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial, tokens=tokens, V=HEAD_DIM,
                                         final_pool=state_pool)
         correct_segment_outputs(cu_seqlens, state_indices, q_carried, initial, out, tokens=tokens)
+    return out
+
+
+_KDA_POINTERS = ("Qd", "Ke", "Kd", "P", "T", "v", "out", "pool", "G", "beta", "cu_seqlens", "state_indices",
+                 "has_initial_state", "checkpoint_indices")
+
+
+def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
+                checkpoint_every=None, checkpoint_indices=None):
+    """Chunked prefill of KDA over a packed varlen batch (``torch_backend.prefill`` semantics): the
+    intra-chunk operands by the Triton kernels (``chunk_triton.kda_chunk_operands``: P, M^-1 and
+    the decayed Q and K tiles per chunk), then the state pass on the tensor cores (``_kda_kernel``,
+    one CTA per sequence and value head; no segments).
+
+    q, k: [T, H, 128] bf16; v, out: [T, HV, 128] bf16 (rows 16-byte aligned); g: [T, HV, 128]
+    float32 / bf16, the log decay or with ``recipe.fused_gate`` the raw projection; beta: [T, HV]
+    float32 / bf16, in (0, 1) or logits with ``recipe.beta_logits``; state_pool [P, HV, 128, 128]
+    float32 / bf16, K-last, or None; cu_seqlens int32 [N + 1]; state_indices int32 [N] (negative:
+    padding); has_initial_state bool [N]; checkpoint_indices int32 [N, M] with checkpoint_every a
+    multiple of 64. Returns ``out``.
+    """
+    why = unsupported(recipe.mode, q, k, v, out, state_pool)
+    if why:
+        raise ValueError(why)
+    ckpt = checkpoints(state_pool, checkpoint_every, checkpoint_indices)
+    check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
+    T, HV = q.shape[0], v.shape[1]
+    for name, x, shape in (("g", g, (T, HV, HEAD_DIM)), ("beta", beta, (T, HV))):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name}: expected {list(shape)}, got {list(x.shape)}")
+    ops = kda_chunk_operands(recipe, q, k, g, beta, cu_seqlens=cu_seqlens, state_indices=state_indices)
+    tensors = (ops["Qd"], ops["Ke"], ops["Kd"], ops["P"], ops["T"], v, out, state_pool, ops["G"], beta, cu_seqlens,
+               state_indices, has_initial_state, ckpt)
+    scalars, constexprs = launch_arguments(recipe, ops["Qd"], ops["Ke"], v, out, cu_seqlens, state_pool,
+                                           state_indices, has_initial_state, ckpt, checkpoint_every)
+    constexprs = tuple((name, value) for name, value in constexprs if name not in ("H", "QK_L2NORM"))
+    constexprs += (("BETA_STRIDES", beta.stride()), ("BETA_LOGITS", recipe.beta_logits))
+    launch(_kda_launch, _KDA_POINTERS, tensors, scalars, constexprs, q.device)
     return out

@@ -43,6 +43,9 @@ stage 3 below).
    0.501 ms, this kernel 1.090 -> 1.300; whole prefill 3.61 -> 3.35 ms, 1 x 32768 4.43 -> 4.15).
    The whole chunk's blocks in one program kept three sub-chunks' decayed tiles live and spilled
    3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 then).
+   On Hopper KDA's prefill runs these launches alone (``kda_chunk_operands``, ``_kda_intra``),
+   with Ke in bf16, P and M^-1 (fp16, out of place) as whole rows with zeros above, for the CuTe
+   DSL state pass (``chunk_cute.kda_prefill``) that replaces kernels 2 and 3.
 2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as
    C-row products over the whole chunk in column tiles of 32, into W [T, HV, K] and U~
    [T, HV, V]. A separate launch because inside kernel 1 the products kept every v and k tile
@@ -398,10 +401,11 @@ def _invert_unit_lower16(N):
 
 
 @triton.jit
-def _invert_chunk(ws, t0, L, hv, HV: tl.constexpr, C: tl.constexpr):
-    """M^-1 in place of N = M - I (strictly lower, float32 [C, C] rows of a [T, HV, C]
-    workspace), in 16 x 16 blocks: (M^-1)_ii by block doubling, then row block by row block
-    (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} N_im (M^-1)_mj. Writes the lower blocks only."""
+def _invert_chunk(ws, out, t0, L, hv, HV: tl.constexpr, C: tl.constexpr, WHOLE: tl.constexpr):
+    """M^-1 from N = M - I (strictly lower, float32 [C, C] rows of a [T, HV, C] workspace) into
+    ``out`` ([T, HV, C], ``ws`` itself for in place), in 16 x 16 blocks: (M^-1)_ii by block
+    doubling, then row block by row block (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} N_im (M^-1)_mj.
+    Writes the lower blocks only, or with WHOLE the zero blocks above them too (rows < L)."""
     N10 = _load_block(ws, t0, SUB, 0, L, hv, HV, C)
     N20 = _load_block(ws, t0, 2 * SUB, 0, L, hv, HV, C)
     N21 = _load_block(ws, t0, 2 * SUB, SUB, L, hv, HV, C)
@@ -419,16 +423,28 @@ def _invert_chunk(ws, t0, L, hv, HV: tl.constexpr, C: tl.constexpr):
     I32 = -_mm(I33, _mm(N32, I22))
     I31 = -_mm(I33, _mm(N31, I11) + _mm(N32, I21))
     I30 = -_mm(I33, _mm(N30, I00) + _mm(N31, I10) + _mm(N32, I20))
-    _store_block(ws, I00, t0, 0, 0, L, hv, HV, C)
-    _store_block(ws, I10, t0, SUB, 0, L, hv, HV, C)
-    _store_block(ws, I11, t0, SUB, SUB, L, hv, HV, C)
-    _store_block(ws, I20, t0, 2 * SUB, 0, L, hv, HV, C)
-    _store_block(ws, I21, t0, 2 * SUB, SUB, L, hv, HV, C)
-    _store_block(ws, I22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
-    _store_block(ws, I30, t0, 3 * SUB, 0, L, hv, HV, C)
-    _store_block(ws, I31, t0, 3 * SUB, SUB, L, hv, HV, C)
-    _store_block(ws, I32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
-    _store_block(ws, I33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
+    _store_block(out, I00, t0, 0, 0, L, hv, HV, C)
+    _store_block(out, I10, t0, SUB, 0, L, hv, HV, C)
+    _store_block(out, I11, t0, SUB, SUB, L, hv, HV, C)
+    _store_block(out, I20, t0, 2 * SUB, 0, L, hv, HV, C)
+    _store_block(out, I21, t0, 2 * SUB, SUB, L, hv, HV, C)
+    _store_block(out, I22, t0, 2 * SUB, 2 * SUB, L, hv, HV, C)
+    _store_block(out, I30, t0, 3 * SUB, 0, L, hv, HV, C)
+    _store_block(out, I31, t0, 3 * SUB, SUB, L, hv, HV, C)
+    _store_block(out, I32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
+    _store_block(out, I33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
+    if WHOLE:
+        _zero_upper_blocks(out, t0, 0, L, hv, HV, C)
+        _zero_upper_blocks(out, t0, 1, L, hv, HV, C)
+        _zero_upper_blocks(out, t0, 2, L, hv, HV, C)
+
+
+@triton.jit
+def _zero_upper_blocks(ws, t0, i, L, hv, HV: tl.constexpr, C: tl.constexpr):
+    """Zeros into the 16 x 16 blocks (i, j > i) of the chunk's [C, C] matrix in a [T, HV, C]
+    workspace (rows < L): a consumer that reads whole rows sees a lower triangular matrix."""
+    for j in range(i + 1, C // SUB):
+        _store_block(ws, tl.zeros([SUB, SUB], dtype=tl.float32), t0, i * SUB, j * SUB, L, hv, HV, C)
 
 
 @triton.jit
@@ -459,7 +475,7 @@ def _gdn_intra_kernel(
                            s_qt, s_qk, s_kt, s_kk, s_gt, s_bt, HV, K, BK, C, QK_L2NORM, FUSED_GATE,
                            HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_IN)
         tl.debug_barrier()  # N is read back by other warps than those that wrote it
-        _invert_chunk(Minv_ws, t0, L, hv, HV, C)
+        _invert_chunk(Minv_ws, Minv_ws, t0, L, hv, HV, C, False)
 
 
 @triton.jit
@@ -559,10 +575,11 @@ def _kda_block_kernel(
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
-    GATE_WS: tl.constexpr,
+    GATE_WS: tl.constexpr, WHOLE_P: tl.constexpr,
 ):
     """KDA, one (chunk, value head, row sub-chunk i): the 16 x 16 blocks (i, j <= i) of P (times
-    scale) and of N = diag(beta) A into the workspaces. ``G_ws`` [T, HV, K] holds G, the
+    scale) and of N = diag(beta) A into the workspaces; with WHOLE_P P's zero blocks (i, j > i)
+    too. ``G_ws`` [T, HV, K] holds G, the
     cumulative log gate from the chunk's start (float32), for the W / U~ and state kernels: with
     GATE_WS ``_kda_gate_kernel`` wrote it and the blocks' decays are read from it; without (float32
     inputs, whose sums keep the gates' own order: module docstring) the program computes its
@@ -623,6 +640,8 @@ def _kda_block_kernel(
         if not GATE_WS:
             r = i * SUB + tl.arange(0, SUB)
             _store_tile(G_ws, li + span[None, :], t0 + r, r < L, hv, 0, HV, K, BK)
+        if WHOLE_P:
+            _zero_upper_blocks(P_ws, t0, i, L, hv, HV, C)
 
 
 @triton.jit
@@ -649,13 +668,14 @@ def _kda_gate_kernel(g, A_log, dt_bias, lower_bound, cu_seqlens, chunk_table, st
 
 
 @triton.jit
-def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws,
-                   HV: tl.constexpr, C: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """KDA, one (chunk, value head): M^-1 in place of N (``_invert_chunk``)."""
+def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws, T_ws,
+                   HV: tl.constexpr, C: tl.constexpr, HAS_SLOTS: tl.constexpr, WHOLE: tl.constexpr):
+    """KDA, one (chunk, value head): M^-1 from N in ``Minv_ws`` into ``T_ws`` (``_invert_chunk``;
+    the same workspace for in place)."""
     i_c, hv = _chunk_program(HV)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
-        _invert_chunk(Minv_ws, t0, tl.minimum(eos - t0, C).to(tl.int32), hv, HV, C)
+        _invert_chunk(Minv_ws, T_ws, t0, tl.minimum(eos - t0, C).to(tl.int32), hv, HV, C, WHOLE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -931,6 +951,76 @@ def planned_segment_tokens(T: int, N: int, HV: int, K: int, V: int, num_sms: int
                                    programs_per_sm=SEGMENT_PROGRAMS_PER_SM, requested=requested)
 
 
+def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces: tuple, gate_ws: bool,
+               whole: bool):
+    """KDA's intra-chunk launches (kernel 1 of the module docstring): the gate pass (with
+    ``gate_ws``), the block kernel and the inverse. ``workspaces`` (P, N, M^-1's destination, G, Qd,
+    Kd, Ke), all [T, HV, ...]; N and the destination may be one tensor (in place). ``whole``: P and
+    M^-1 also get zeros above their lower blocks, so that whole rows can be read."""
+    T, H, K = q.shape
+    HV = beta.shape[1]
+    C = CHUNK_SIZE
+    P_ws, N_ws, T_ws, G_ws, Qd_ws, Kd_ws, Ke_ws = workspaces
+    prec = precisions(q.dtype)
+    A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, q.device)
+    has_slots = state_indices is not None
+    slots = state_indices if has_slots else table  # (never read without slots)
+    grid = (max_chunks(T, cu_seqlens.shape[0] - 1, C) * HV,)
+    gate_args = (A_log, dt_bias, lower_bound)
+    if gate_ws:
+        _kda_gate_kernel[grid + (triton.cdiv(K, GATE_TILE),)](
+            g, *gate_args, cu_seqlens, table, slots, G_ws, *g.stride(), HV=HV, K=K, BKG=GATE_TILE, C=C,
+            HAS_SLOTS=has_slots, num_warps=GATE_WARPS, num_stages=1, **gate_flags)
+    # Warps timed on an H200 (bf16, 4 x 8192, fused gates, one row of blocks per program, before
+    # the gate pass): 2 warps 1.46 ms against 4 warps 2.05; in a later run 2 warps 1.53 against
+    # 1 warp 1.71 and 2 warps with 2 stages 1.56.
+    # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
+    # an sm_90 compile against 216 with 2 (not timed).
+    _kda_block_kernel[grid + (1, 4)](
+        q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
+        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws,
+        HV=HV, GROUP=HV // H, K=K, BK=max(triton.next_power_of_2(K), 16), C=C, QK_L2NORM=recipe.qk_l2norm,
+        HAS_SLOTS=has_slots, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
+        GATE_WS=gate_ws, WHOLE_P=whole, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1,
+        **gate_flags)
+    # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
+    _invert_kernel[grid](cu_seqlens, table, slots, N_ws, T_ws, HV=HV, C=C, HAS_SLOTS=has_slots, WHOLE=whole,
+                         num_warps=2, num_stages=1)
+
+
+def kda_chunk_operands(recipe: Recipe, q, k, g, beta, *, cu_seqlens, state_indices) -> dict:
+    """KDA's intra-chunk stage for a state pass on the tensor cores (``chunk_cute.kda_prefill``):
+    the launches of ``_kda_intra`` for bf16 q, k (arguments as ``delta_rule_prefill``'s), their
+    per-chunk operands returned as [T, HV, ...] tensors, rows packed as the tokens:
+
+        P   bf16 [T, HV, C]   scale q_t . k_s exp(G_t - G_s) / (|q_t| |k_s|) (s <= t, zeros above)
+        T   fp16 [T, HV, C]   M^-1 = (I + diag(beta) A)^-1 (unit lower triangular, zeros above)
+        Qd  bf16 [T, HV, K]   scale exp(G) Q / |q|
+        Ke  bf16 [T, HV, K]   exp(G) K / |k|
+        Kd  fp16 [T, HV, K]   exp(G_C - G) K / |k|       (G_C: G at the chunk's last valid row)
+        G   float32 [T, HV, K] G, the cumulative log gate from the chunk's start
+
+    Each chunk's rows t < L only: a chunk's rows past its sequence's end are the next sequence's
+    (or never written, for padding sequences). Ke and Kd enter products with the bf16 state (Z =
+    S^T Ke^T) and the fp16 parts of U (the update); T is fp16 as the CuTe DSL GDN kernel's is."""
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"q: kda_chunk_operands takes bf16 inputs, got {q.dtype}")
+    T, _, K = q.shape
+    HV = beta.shape[1]
+    C = CHUNK_SIZE
+    device = q.device
+    half = dict(dtype=torch.bfloat16, device=device)
+    fp16 = dict(dtype=torch.float16, device=device)
+    out = dict(P=torch.empty(T, HV, C, **half), T=torch.empty(T, HV, C, **fp16), Qd=torch.empty(T, HV, K, **half),
+               Ke=torch.empty(T, HV, K, **half), Kd=torch.empty(T, HV, K, **fp16),
+               G=torch.empty(T, HV, K, dtype=torch.float32, device=device))
+    N_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
+    table = chunk_indices(cu_seqlens, T, C)
+    _kda_intra(recipe, q, k, g, beta, cu_seqlens, table, state_indices,
+               (out["P"], N_ws, out["T"], out["G"], out["Qd"], out["Kd"], out["Ke"]), True, True)
+    return out
+
+
 def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
                        has_initial_state, out, checkpoint_every=None, checkpoint_indices=None, map_columns=0,
                        segment_tokens=None):
@@ -1008,29 +1098,15 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
 
     table = chunk_indices(cu_seqlens, T, C)
     grid = (max_chunks(T, N, C) * HV,)
-    gate_args = (A_log, dt_bias, lower_bound)
-    intra_args = (q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
-                  *q.stride(), *k.stride(), *g.stride(), *beta.stride())
-    intra_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
-                       **gate_flags)
     if per_channel:
-        if gate_ws:
-            _kda_gate_kernel[grid + (triton.cdiv(K, GATE_TILE),)](
-                g, *gate_args, cu_seqlens, table, slots, G_ws, *g.stride(), HV=HV, K=K, BKG=GATE_TILE, C=C,
-                HAS_SLOTS=state_indices is not None, num_warps=GATE_WARPS, num_stages=1, **gate_flags)
-        # Warps timed on an H200 (bf16, 4 x 8192, fused gates, one row of blocks per program, before
-        # the gate pass): 2 warps 1.46 ms against 4 warps 2.05; in a later run 2 warps 1.53 against
-        # 1 warp 1.71 and 2 warps with 2 stages 1.56.
-        # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
-        # an sm_90 compile against 216 with 2 (not timed).
-        _kda_block_kernel[grid + (1, 4)](
-            *intra_args, G_ws, Qd_ws, Kd_ws, Ke_ws, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"],
-            FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1,
-            **intra_flags)
-        # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
-        _invert_kernel[grid](cu_seqlens, table, slots, Minv_ws, HV=HV, C=C, HAS_SLOTS=state_indices is not None,
-                             num_warps=2, num_stages=1)
+        workspaces = (P_ws, Minv_ws, Minv_ws, G_ws, Qd_ws, Kd_ws, Ke_ws)
+        _kda_intra(recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces, gate_ws, False)
     else:
+        gate_args = (A_log, dt_bias, lower_bound)
+        intra_args = (q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
+                      *q.stride(), *k.stride(), *g.stride(), *beta.stride())
+        intra_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
+                           **gate_flags)
         # 4 warps: GDN 4 x 8192 whole prefill 3.21 ms with 4, 3.20 with 8 on an H200 (bf16)
         _gdn_intra_kernel[grid](*intra_args, F_ws, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
                                 num_warps=4, num_stages=1, **intra_flags)

@@ -237,7 +237,8 @@ def _lightning_kernel(
         cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
         if warp == 0:
             if live:
-                produce(tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, sQ, sK, sV, loads, bos, num_chunks, h, hv)
+                produce(((tma_q, q_tiles, h, sQ, HEAD_DIM), (tma_k, k_tiles, h, sK, HEAD_DIM)),
+                        (tma_v, v_tiles, sV), loads, bos, num_chunks, hv)
     else:
         cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
         _consume(storage, sQ, sK, sV, loads, wg - 1, tidx - 128 * wg, out, tma_o, o_tiles, pool, decay,

@@ -1,9 +1,9 @@
 """The cute backend's prefill kernels (``kernels/lightning/chunk_cute.py``, and
-``kernels/delta_rule/chunk_cute.py`` for GDN: bf16, K = V = 128) on a Hopper GPU against the
+``kernels/delta_rule/chunk_cute.py`` for GDN and KDA: bf16, K = V = 128) on a Hopper GPU against the
 float64 oracle: lengths 1, 63, 64, 65, a few hundred and a thousand in one varlen batch with a
 padding row, permuted NaN-poisoned slots and has_initial_state mixes, with and without qk l2norm
-(GDN: raw projections with the fused gate and beta sigmoid, or prepared gates and normalised q,
-k); both pool dtypes; a sequence of several thousand tokens; many short and empty sequences;
+(GDN, KDA: raw projections with the fused gate and beta sigmoid, or prepared gates and normalised
+q, k); both pool dtypes; a sequence of several thousand tokens; many short and empty sequences;
 checkpoints; grouped value heads; no pool and dense initial states; a capture in a CUDA graph
 replayed with new inputs; which calls automatic dispatch gives them. Lightning also: strided
 views of a fused projection, a packed batch past 2^31 elements. GDN also: in-card segments,
@@ -36,7 +36,7 @@ if _module is None:
 
 CUTE = dict(backend="cute")
 MODE = "lightning"  # the tests of Lightning alone
-MODES = pytest.mark.parametrize("mode", ["lightning", "gdn"])
+MODES = pytest.mark.parametrize("mode", ["lightning", "gdn", "kda"])
 # one varlen batch: permuted slots, row 3 is padding, rows 1 and 5 start from zeros (NaN slots)
 LENS = [1, 63, 64, 17, 65, 300, 1000]
 SLOTS = [9, 2, 11, -1, 0, 5, 7]
@@ -49,11 +49,11 @@ def _run(mode, kw, pool, **options):
 
 
 def _inputs(mode, T, seed, l2norm=True):
-    """Model-shaped inputs; GDN without the in-kernel l2norm takes normalised q, k and prepared
-    gates (raw q, k would make the delta rule diverge), with it the raw projections and the fused
-    gate and beta sigmoid."""
+    """Model-shaped inputs; GDN and KDA without the in-kernel l2norm take normalised q, k and
+    prepared gates (raw q, k would make the delta rule diverge), with it the raw projections and
+    the fused gate and beta sigmoid."""
     kw = inputs(mode, T, torch.bfloat16, seed=seed, **({} if mode == "lightning" or l2norm else dict(fused_gate=False)))
-    if mode == "gdn" and not l2norm:
+    if mode != "lightning" and not l2norm:
         kw.update(q=_l2norm(kw["q"].float()).bfloat16(), k=_l2norm(kw["k"].float()).bfloat16())
     kw["use_qk_l2norm_in_kernel"] = l2norm
     return kw
@@ -76,11 +76,12 @@ def test_varlen_model_shapes(mode, state_dtype, l2norm):
     assert_same_writes(pool, ref_pool, tol)
 
 
-@pytest.mark.parametrize("mode, state_tol", [("lightning", 5e-5), ("gdn", 5e-3)])
+@pytest.mark.parametrize("mode, state_tol", [("lightning", 5e-5), ("gdn", 5e-3), ("kda", 5e-3)])
 def test_long_sequence(mode, state_tol):
     """One sequence of several thousand tokens next to a short one: outputs at the bf16
     tolerance; Lightning's final states near float32 (its state update keeps 16 bits of the
-    decayed v), GDN's at the bf16 tolerance (its T and W enter the tensor cores in bf16)."""
+    decayed v), GDN's and KDA's at the bf16 tolerance (their T and decayed keys enter the tensor
+    cores in 16 bits)."""
     lens, slots, has_init = [4133, 5, 700], [3, 1, 6], [True, False, True]
     kw = _inputs(mode, sum(lens), seed=3)
     pool = poisoned_pool(mode, torch.float32, [3, 6], seed=4)
@@ -285,10 +286,11 @@ def _picked(monkeypatch, run=cula_lightning, **call_args):
 
 
 def test_automatic_dispatch(monkeypatch):
-    """bf16 rows at K = V = 128 run on the CuTe DSL kernels (Lightning, GDN; KDA has none);
+    """bf16 rows at K = V = 128 run on the CuTe DSL kernels (Lightning, GDN, KDA);
     float32 inputs, unaligned rows, other head dims, and batches whose CTAs would fill few SMs
     where Triton cuts them into segments and the CuTe DSL kernel does not (Lightning: one long
-    sequence at 16 heads; GDN: one long sequence with checkpoints) go to the triton backend; a
+    sequence at 16 heads; GDN: one long sequence with checkpoints; KDA: one long sequence, which
+    it does not cut) go to the triton backend; a
     named cute backend refuses what it cannot run and writes nothing."""
     s = SHAPES[MODE]
     gen = torch.Generator(device=DEVICE).manual_seed(19)
@@ -321,7 +323,9 @@ def test_automatic_dispatch(monkeypatch):
                             checkpoint_indices=torch.full((1, 128), -1, dtype=torch.int32, device=DEVICE))
     assert _picked(monkeypatch, cula_gdn, **with_checkpoints) == "other"  # segments write no checkpoints
     kda = inputs("kda", 512, torch.bfloat16, seed=21)
-    assert _picked(monkeypatch, lambda **kw: prefill_call("kda", kw), **kda) == "other"
+    run_kda = lambda **kw: prefill_call("kda", kw)  # noqa: E731
+    assert _picked(monkeypatch, run_kda, **kda) == "cute"  # 32 CTAs, too short for Triton to cut
+    assert _picked(monkeypatch, run_kda, **inputs("kda", 8192, torch.bfloat16, seed=24)) == "other"
 
     fp32 = args(256, dtype=torch.float32)
     fp32["state_pool"].fill_(float("nan"))
