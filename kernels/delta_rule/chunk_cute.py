@@ -622,19 +622,16 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
             warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(accU)):
                 s = cU[i][1]
+                x = accU[i]
                 if const_expr(PER_CHANNEL):
                     # T's rows past the sequence may hold anything: U's columns there are dropped
-                    x = cutlass.select_(s < L, accU[i], Float32(0.0))
-                    tUrU[i] = BFloat16(x)
-                    hi = Float16(x)
-                    tSrU_hi[i] = hi
-                    tSrU_lo[i] = Float16(x - Float32(hi))
-                else:
-                    tUrU[i] = BFloat16(accU[i])
-                    x = accU[i] * u[s]
-                    hi = BFloat16(x)
-                    tSrU_hi[i] = hi
-                    tSrU_lo[i] = BFloat16(x - Float32(hi))
+                    x = cutlass.select_(s < L, x, Float32(0.0))
+                tUrU[i] = BFloat16(x)
+                if const_expr(not PER_CHANNEL):
+                    x = x * u[s]  # the update's column factors (KDA's are in Kd)
+                hi = update_type(x)
+                tSrU_hi[i] = hi
+                tSrU_lo[i] = update_type(x - Float32(hi))
             if const_expr(PER_CHANNEL):
                 for i in cutlass.range_constexpr(cute.size(accS)):
                     accS[i] = accS[i] * gate_decay[cS[i][1]]

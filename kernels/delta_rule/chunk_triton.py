@@ -434,9 +434,8 @@ def _invert_chunk(ws, out, t0, L, hv, HV: tl.constexpr, C: tl.constexpr, WHOLE: 
     _store_block(out, I32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
     _store_block(out, I33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
     if WHOLE:
-        _zero_upper_blocks(out, t0, 0, L, hv, HV, C)
-        _zero_upper_blocks(out, t0, 1, L, hv, HV, C)
-        _zero_upper_blocks(out, t0, 2, L, hv, HV, C)
+        for i in tl.static_range(C // SUB - 1):
+            _zero_upper_blocks(out, t0, i, L, hv, HV, C)
 
 
 @triton.jit
