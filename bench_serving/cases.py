@@ -8,7 +8,9 @@ from cula_serve.inputs import MODEL_SHAPES
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark row. ``seqlens`` for prefill; ``batch`` for decode."""
+    """One benchmark row. ``seqlens`` for prefill; ``batch`` for decode. ``raw_gates``: the
+    engines' raw gate projections with the fused gate (``random_inputs(fused_gate=True)``: KDA's
+    per-channel decays then reach tens per token), instead of prepared mild decays (about -0.05)."""
 
     op: str  # "prefill" or "decode"
     model: str
@@ -20,6 +22,7 @@ class Case:
     seqlens: tuple = ()
     batch: int = 0
     tp: int = 1
+    raw_gates: bool = False
 
     @property
     def name(self) -> str:
@@ -28,7 +31,7 @@ class Case:
         if self.op == "prefill":
             lengths = sorted(set(self.seqlens))
             size = f"{len(self.seqlens)}x{lengths[0]}" if len(lengths) == 1 else f"{len(self.seqlens)} seqs"
-            return f"{self.mode} prefill {heads}{shard} {size}"
+            return f"{self.mode} prefill {heads}{shard} {size}" + (" raw gates" if self.raw_gates else "")
         return f"{self.mode} decode {heads}{shard} B{self.batch}"
 
 
@@ -44,6 +47,8 @@ def gpu_cases():
                         ("minimax", [(4, 8192), (8, 1024)])):
         cases += [Case("prefill", seqlens=(length,) * n, **_shape(model)) for n, length in runs]
         cases.append(Case("prefill", seqlens=(8192,), **_shape(model, tp=4)))
+    # strong per-channel decays take KDA's exact diagonal-block path (chunk_triton._split_diag_block)
+    cases.append(Case("prefill", seqlens=(8192,) * 4, **_shape("kimi-linear"), raw_gates=True))
     for model in MODEL_SHAPES:
         cases += [Case("decode", batch=b, **_shape(model)) for b in (1, 8, 64, 256)]
         cases.append(Case("decode", batch=64, **_shape(model, tp=4)))

@@ -37,7 +37,7 @@ AGREEMENT = 5e-3
 def _inputs(case: Case, device, generator):
     lead = (1, sum(case.seqlens)) if case.op == "prefill" else (case.batch, 1)
     kw = random_inputs(case.mode, lead, H=case.H, HV=case.HV, K=case.K, V=case.V, device=device,
-                       fused_gate=False, generator=generator)
+                       fused_gate=case.raw_gates, generator=generator)
     n = len(case.seqlens) if case.op == "prefill" else case.batch
     # a pool with spare slots and permuted indices, as an engine's would be; slot 0 stays free
     # because vLLM's decode kernel treats it as its null block

@@ -22,7 +22,7 @@ import triton.language as tl  # noqa: E402
 
 from cula_serve.kernels.backends import triton_backend  # noqa: E402
 from cula_serve.kernels.common.varlen import chunk_indices  # noqa: E402
-from cula_serve.kernels.delta_rule.chunk_triton import _dot  # noqa: E402
+from cula_serve.kernels.delta_rule.chunk_triton import FACTOR_SPAN, _diag_block, _dot, _split_diag_block  # noqa: E402
 from cula_serve.inputs import relative_error  # noqa: E402
 
 from conftest import (ORACLE, PREFILL, assert_close, assert_same_writes, lightning_strided_views,  # noqa: E402
@@ -280,6 +280,36 @@ def test_strong_decays_stay_finite_and_exact(mode, input_dtype, generator):
 
 
 @triton.jit
+def _split_diag_block_kernel(q_ptr, k_ptr, l_ptr, A_ptr, P_ptr, BK: tl.constexpr, FACTOR_SPAN: tl.constexpr):
+    rows = tl.arange(0, 16)
+    tile = rows[:, None] * BK + tl.arange(0, BK)[None, :]
+    ones = tl.full([16], 1.0, tl.float32)
+    A, P = _diag_block(*_split_diag_block(tl.load(q_ptr + tile), tl.load(k_ptr + tile), ones, ones,
+                                          tl.load(l_ptr + tile), "ieee", FACTOR_SPAN))
+    block = rows[:, None] * 16 + rows[None, :]
+    tl.store(A_ptr + block, A)
+    tl.store(P_ptr + block, P)
+
+
+@pytest.mark.parametrize("gate", [0.5, 8.0, 15.0, 30.0, 200.0])
+def test_split_diag_block_exact_at_every_span(gate, generator):
+    """KDA's exact diagonal 16 x 16 block (for sub-chunks whose gates span FACTOR_SPAN or more)
+    against float64 pairwise decays, with per-token gates of mean ``gate``: the halving stops at
+    blocks of 8 rows (0.5), 4 (8), 2 (15, 30) or single rows (200). Entries whose decay underflows
+    must come out (near) zero, not NaN or inf from e^+G."""
+    K = 32
+    l = (-2 * gate * torch.rand(16, K, generator=generator)).cumsum(0)
+    q, k = torch.randn(16, K, generator=generator), torch.randn(16, K, generator=generator)
+    A, P = torch.empty(16, 16), torch.empty(16, 16)
+    _split_diag_block_kernel[(1,)](q, k, l, A, P, K, FACTOR_SPAN)
+    decay = torch.exp((l.double()[:, None] - l.double()[None, :]).clamp(max=0))
+    ref_A = torch.einsum("tk,sk,tsk->ts", k.double(), k.double(), decay).tril(-1)
+    ref_P = torch.einsum("tk,sk,tsk->ts", q.double(), k.double(), decay).tril()
+    assert (A.double() - ref_A).abs().max() < 1e-5
+    assert (P.double() - ref_P).abs().max() < 1e-5
+
+
+@triton.jit
 def _dot_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr, PREC: tl.constexpr):
     offs = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
     tl.store(c_ptr + offs, _dot(tl.load(a_ptr + offs), tl.load(b_ptr + offs), PREC))
@@ -384,15 +414,16 @@ def test_chunk_indices(generator):
 
 
 class _NanWorkspaces:
-    """``torch`` as ``chunk_triton`` sees it, with every ``empty`` tensor filled with NaN: rows the
-    kernels must write show where they did not."""
+    """``torch`` as ``chunk_triton`` sees it, with every ``empty`` tensor filled with NaN (integer
+    ones with -1): rows the kernels must write show where they did not."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
     @staticmethod
     def empty(*shape, **options):
-        return torch.full(shape, float("nan"), **options)
+        dtype = options.get("dtype", torch.get_default_dtype())
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, **options)
 
 
 def test_kda_chunk_operands(generator, monkeypatch):

@@ -72,6 +72,12 @@ def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple
 # 64 heads 0.733 against 0.795; GDN unsegmented at 32 heads, 1 x 8192 tokens 5.13 against 4.95,
 # the bench, eager: 1 x 32768 4.02 against 3.40).
 PREFILL_MIN_SM_SHARE = 0.4
+# KDA's Triton prefill runs the same intra-chunk kernels as ours, so only the state passes differ:
+# ours wins from 16 CTAs (H200, 2026-11-27, CUDA-graph replay, ns per token-head, ours against
+# Triton's segments, strong fused gates: one sequence of 8192 tokens at 8 / 16 / 32 heads 9.75 /
+# 7.95 / 6.38 against 8.56 / 8.28 / 7.42; of 32768 tokens 9.61 / 7.35 / 6.43 against 7.86 / 7.52 /
+# 7.39; the bench's mild gates, a TP4 shard of 8 heads on 8192 tokens 6.94 against 5.72).
+KDA_PREFILL_MIN_SM_SHARE = 0.1
 
 
 def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple = (), checkpoints: bool = False,
@@ -94,8 +100,8 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
     commit, H200, B = 64: GDN float32 96.6 against 124.0 us, Lightning 165.7 against 249.1).
 
     Prefill where the CuTe DSL kernel's CTAs (one per sequence and value head) would fill less
-    than ``PREFILL_MIN_SM_SHARE`` of the SMs, the Triton kernel cuts the batch into segments and
-    ours does not (Lightning and KDA never; GDN with checkpoints or where
+    than ``PREFILL_MIN_SM_SHARE`` of the SMs (KDA: ``KDA_PREFILL_MIN_SM_SHARE``), the Triton kernel
+    cuts the batch into segments and ours does not (Lightning and KDA never; GDN with checkpoints or where
     ``segments.one_pass_segment_tokens`` finds it not worth it): a TP4 shard's 16 Lightning heads on one 8192-token sequence, 2.90
     against 1.15 ns per token-head on an H100."""
     lightning_decode = mode == "lightning" and N * HV >= 2048 and state_dtype != torch.float32
@@ -113,7 +119,8 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
         else:
             triton_segments = delta_segments(T, N, HV, D, D, sms)
             ours = one_pass_segment_tokens(T, N, HV, sms, checkpoints=checkpoints) if mode == "gdn" else 0
-        if N * HV < PREFILL_MIN_SM_SHARE * sms and triton_segments and not ours:
+        share = KDA_PREFILL_MIN_SM_SHARE if mode == "kda" else PREFILL_MIN_SM_SHARE
+        if N * HV < share * sms and triton_segments and not ours:
             return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel spreads it "
                     "over more, in parallel")
     return None

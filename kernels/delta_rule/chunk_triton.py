@@ -16,7 +16,7 @@ GDN is this with a scalar gate broadcast over the K channels; the W / U~ and sta
 shared and a constexpr (PER_CHANNEL) picks how a decay is applied. Only stage 1 differs, because
 a scalar decay can be applied after a product and a per-channel one cannot.
 
-Launches per call: four for GDN, six for KDA (five with float32 inputs; two more with segments,
+Launches per call: four for GDN, seven for KDA (six with float32 inputs; two more with segments,
 stage 3 below).
 0. ``kernels.common.varlen.chunk_indices``: the (sequence, chunk) of every global chunk id, on
    the device (no host synchronisation).
@@ -33,16 +33,18 @@ stage 3 below).
    boundaries (below): ``_kda_gate_kernel`` first writes G (the chunk-local cumulative log gate,
    float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV,
    1, 4), one 16-row block of P and N per program, its decays read from G (with float32 inputs
-   it computes the gates itself and writes G), then ``_invert_kernel`` (one program per chunk
-   and head, 2 warps). With bf16 / fp16 inputs the block kernel also writes its rows of the
-   decayed operands of kernels 2 and 3, from the q and k rows, norms and G it holds for P and N:
-   Ke = exp(G) K / |k| (W's), Qd = scale exp(G) Q / |q| (in the input dtype, the rounding its
-   product applies) and Kd = exp(G_C - G) K / |k|; Ke and Kd in fp16, the 11 significant bits of
-   their tf32 products (all three tiles are <= 1). Kernel 2 formed Qd and Kd from a second read
-   of q, k and G, and its own decayed K from k and G (H200, KDA 4 x 8192: kernel 2 0.998 ->
-   0.501 ms, this kernel 1.090 -> 1.300; whole prefill 3.61 -> 3.35 ms, 1 x 32768 4.43 -> 4.15).
-   The whole chunk's blocks in one program kept three sub-chunks' decayed tiles live and spilled
-   3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52 then).
+   it computes the gates itself and writes G), then ``_kda_exact_diag_kernel`` (the diagonal
+   blocks whose gates span too much for the block kernel's factored product, exactly; below),
+   then ``_invert_kernel`` (one program per chunk and head, 2 warps). With bf16 / fp16 inputs the
+   block kernel also writes its rows of the decayed operands of kernels 2 and 3, from the q and k
+   rows, norms and G it holds for P and N: Ke = exp(G) K / |k| (W's), Qd = scale exp(G) Q / |q| (in
+   the input dtype, the rounding its product applies) and Kd = exp(G_C - G) K / |k|; Ke and Kd in
+   fp16, the 11 significant bits of their tf32 products (all three tiles are <= 1). Kernel 2 formed
+   Qd and Kd from a second read of q, k and G, and its own decayed K from k and G (H200, KDA 4 x
+   8192: kernel 2 0.998 -> 0.501 ms, this kernel 1.090 -> 1.300; whole prefill 3.61 -> 3.35 ms, 1 x
+   32768 4.43 -> 4.15). The whole chunk's blocks in one program kept three sub-chunks' decayed
+   tiles live and spilled 3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52
+   then).
    On Hopper KDA's prefill runs these launches alone (``kda_chunk_operands``, ``_kda_intra``),
    with Ke in bf16, P and M^-1 (fp16, out of place) as whole rows with zeros above, for the CuTe
    DSL state pass (``chunk_cute.kda_prefill``) that replaces kernels 2 and 3.
@@ -100,9 +102,11 @@ Nothing here forms exp(-G) alone:
   - KDA's diagonal blocks split the decay the same way, at the sub-chunk's start: then
     exp(l_t) <= 1 and exp(-l_s) >= 1, which is safe while the sub-chunk's gates span
     less than FACTOR_SPAN = 80 in every channel (e^80 ~ 5.5e34). A sub-chunk that spans more
-    (decays below e^-80 within 16 tokens) takes the exact path instead, one key column s at a
-    time: exp(G_t - G_s) over the rows t >= s, elementwise (16 x K per column). The choice is
-    made on the device, per sub-chunk.
+    (decays below e^-80 within 16 tokens, common with engines' raw gates: per-channel decays of
+    tens per token) is left to a launch of its own (``_kda_exact_diag_kernel``), which halves the
+    block until its blocks span less, the pairs across halves split at the upper half's first
+    row as the off-diagonal blocks are (both factors <= 1), down to single rows if need be
+    (``_split_diag_block``). The choice is made on the device, per sub-chunk.
   - W uses exp(G_t) <= 1, the state update exp(G_C - G_t) <= 1 and exp(G_C) <= 1. With float32
     inputs KDA sums G_C - G_t from the gates after t (a reverse cumulative sum) instead of taking
     the difference: its float32 sums reach |G_C| in the hundreds, and the difference's rounding
@@ -535,33 +539,59 @@ def _block_products(kr, qr, kc, PREC_ACC: tl.constexpr):
 
 
 @triton.jit
-def _diag_block(qi, ki, rqi, rki, li, kr, qr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr):
-    """KDA: A (strictly lower) and P / scale (lower, with the diagonal) of a diagonal 16 x 16
-    block; ``li`` is the cumulative gate from the sub-chunk's start, ``kr`` and ``qr`` the rows
-    decayed by exp(li) (``_block_products``).
+def _rows_of(x, rows):
+    """Row ``rows[t]`` of ``x`` in row t: a gather along axis 0 of a [16, BK] tile."""
+    return tl.gather(x, tl.broadcast_to(rows[:, None], x.shape), 0)
 
-    exp(G_t - G_s) = exp(l_t) * exp(-l_s), factors <= 1 and >= 1: safe while the sub-chunk's gates
-    span less than FACTOR_SPAN in every channel (the usual case). Otherwise the exact pairwise
-    decays, one key column s at a time: exp(l_t - l_s) for rows t >= s only."""
+
+@triton.jit
+def _diag_block(A, P):
+    """A strictly lower and P lower (with the diagonal): the triangles of a diagonal 16 x 16 block."""
     r = tl.arange(0, SUB)
-    if tl.max(tl.max(-li, 1), 0) < FACTOR_SPAN:
-        A, P = _block_products(kr, qr, _decayed(ki, rki, tl.exp(-li)), PREC_ACC)
-    else:
-        qf = qi.to(tl.float32) * rqi[:, None]
-        kf = ki.to(tl.float32) * rki[:, None]
-        A = tl.zeros([SUB, SUB], dtype=tl.float32)
-        P = tl.zeros([SUB, SUB], dtype=tl.float32)
-        for s in range(SUB):  # not unrolled: bounded live ranges
-            pick = (r == s)[:, None]
-            k_s = tl.sum(tl.where(pick, kf, 0.0), 0)
-            l_s = tl.sum(tl.where(pick, li, 0.0), 0)
-            decayed = tl.exp(tl.where((r >= s)[:, None], li - l_s[None, :], 0.0)) * k_s[None, :]
-            col = (r == s)[None, :]
-            A = tl.where(col, tl.sum(kf * decayed, 1)[:, None], A)
-            P = tl.where(col, tl.sum(qf * decayed, 1)[:, None], P)
-    A = tl.where(r[:, None] > r[None, :], A, 0.0)
-    P = tl.where(r[:, None] >= r[None, :], P, 0.0)
-    return A, P
+    return tl.where(r[:, None] > r[None, :], A, 0.0), tl.where(r[:, None] >= r[None, :], P, 0.0)
+
+
+@triton.jit
+def _split_diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr):
+    """A and P / scale of a diagonal block whose gates span FACTOR_SPAN or more, exactly (lower
+    triangles not yet masked), from the sub-chunk's q and k rows, their inverse norms and ``li``,
+    the cumulative gate from the sub-chunk's start.
+
+    b is the largest block size (8, 4, 2 or 1) whose aligned b-row blocks span less than
+    FACTOR_SPAN. Pairs in different b-blocks are taken level by level, as the off-diagonal
+    sub-chunk blocks are: at half size h = 8, 4, .. b, rows t in the upper half of a 2h-row block
+    against rows s in its lower half, split at the upper half's first row m,
+        exp(l_t - l_s) = exp(l_t - l_m) * exp(l_m - l_s),  both factors <= 1,
+    one decayed tile exp(-|l - l_m|) for both sides and one product a level. Pairs within a
+    b-block split at its first row f, exp(l_t - l_f) <= 1 times exp(l_f - l_s) < e^FACTOR_SPAN;
+    b = 1 leaves only t = s, decay 1. The gates decide b, on the device. Each pair is taken once.
+    The previous fallback, inside the block kernel one key column at a time (16 elementwise
+    16 x K exponentials and four row reductions across warps per column): that kernel took
+    4.39 ms at KDA 4 x 8192 with strong gates (``random_inputs``' fused ones) on an H200; now
+    1.24 ms, plus 1.44 ms in ``_kda_exact_diag_kernel``."""
+    r = tl.arange(0, SUB)
+    log_b = 0  # log2 of b
+    for level in range(1, 4):  # spans only grow with the block size: the largest safe one wins
+        if tl.max(tl.max(_rows_of(li, r >> level << level) - li, 1), 0) < FACTOR_SPAN:
+            log_b = level
+    A = tl.zeros([SUB, SUB], dtype=tl.float32)
+    P = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for log_h in range(log_b, 4):  # h = 2^log_h, from b up to 8
+        upper = (r >> log_h) % 2 == 1
+        decay = tl.exp(-tl.abs(li - _rows_of(li, (r >> log_h << log_h) + tl.where(upper, 0, 1 << log_h))))
+        kx = _decayed(ki, rki, decay)
+        A_h, P_h = _block_products(kx, _decayed(qi, rqi, decay), kx, PREC_ACC)
+        lower = (r >> log_h) % 2 == 0
+        pairs = (r[:, None] >> (log_h + 1) == r[None, :] >> (log_h + 1)) & upper[:, None] & lower[None, :]
+        A += tl.where(pairs, A_h, 0.0)
+        P += tl.where(pairs, P_h, 0.0)
+    b = 1 << log_b
+    first = _rows_of(li, (r // b) * b)
+    rows = tl.exp(li - first)
+    A_b, P_b = _block_products(_decayed(ki, rki, rows), _decayed(qi, rqi, rows), _decayed(ki, rki, tl.exp(first - li)),
+                               PREC_ACC)
+    within = r[:, None] // b == r[None, :] // b
+    return A + tl.where(within, A_b, 0.0), P + tl.where(within, P_b, 0.0)
 
 
 @triton.jit
@@ -570,7 +600,7 @@ def _kda_block_kernel(
     cu_seqlens, chunk_table, state_indices,
     P_ws, N_ws,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
-    G_ws, Qd_ws, Kd_ws, Ke_ws,
+    G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
@@ -590,18 +620,24 @@ def _kda_block_kernel(
     Per-channel decays only factor safely across sub-chunk boundaries (module docstring): with
     l_i the cumulative gate within sub-chunk i and e_u the sum of sub-chunk u's gates, j < i takes
         exp(G_t - G_s) = exp(l_i,t) * exp(e_j - l_j,s + e_{j+1} + ... + e_{i-1}),
-    both factors <= 1; the diagonal block splits at the sub-chunk's start (``_diag_block``). The
-    program walks j from i - 1 down to 0, so that e_{j+1} + ... + e_{i-1} accumulates as it goes
-    and every sub-chunk's gate is computed once per program (with one program per block, the
-    blocks between j and i recomputed the gates of the sub-chunks between them: twice the
-    transcendentals). Only sub-chunk i's decayed tiles and one column sub-chunk are live: the whole
-    chunk in one program (2 warps) held three sub-chunks' decayed tiles and spilled 3 KB per
-    thread. Grid axis 2 runs the longest rows (i = 3, four blocks) first."""
+    both factors <= 1. The diagonal block splits at the sub-chunk's start, exp(l_t) exp(-l_s),
+    safe while the sub-chunk's gates span less than FACTOR_SPAN in every channel (the usual case);
+    otherwise the next launch computes it exactly (``_kda_exact_diag_kernel``): the exact path here
+    raised this kernel's spills from 64 to over 300 bytes per thread (sm_90 compile) and slowed it by
+    about 12% on gates that never take it (H200, 4 x 8192: 2.006 -> 2.244 ms for the three
+    intra-chunk launches). The program walks j from i - 1 down to 0, so that e_{j+1} + ... +
+    e_{i-1} accumulates as it goes and every sub-chunk's gate is computed once per program (with
+    one program per block, the blocks between j and i recomputed the gates of the sub-chunks
+    between them: twice the transcendentals). Only sub-chunk i's decayed tiles and one column
+    sub-chunk are live: the whole chunk in one program (2 warps) held three sub-chunks' decayed
+    tiles and spilled 3 KB per thread. Grid axis 2 runs the longest rows (i = 3, four blocks)
+    first."""
     tl.static_assert(C == 4 * SUB)
     i_c, hv = _chunk_program(HV)
     i = 3 - tl.program_id(2)  # axis 1 has size 1
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     L = tl.minimum(eos - t0, C).to(tl.int32)
+    mark = exact_marks + tl.program_id(0) * 4 + i
     if live & (i * SUB < L):
         q += (hv // GROUP) * s_qh
         k += (hv // GROUP) * s_kh
@@ -623,9 +659,13 @@ def _kda_block_kernel(
             _store_tile(Qd_ws, qr * (scale * lift), t0 + r, r < L, hv, 0, HV, K, BK)
             _store_tile(Kd_ws, _decayed(ki, rki, tl.exp((G_end - start)[None, :] - li)), t0 + r, r < L, hv, 0, HV,
                         K, BK)
-        A_blk, P_blk = _diag_block(qi, ki, rqi, rki, li, kr, qr, PREC_ACC, FACTOR_SPAN)
-        _store_block(P_ws, scale * P_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
-        _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
+        if tl.max(tl.max(-li, 1), 0) < FACTOR_SPAN:
+            A_blk, P_blk = _diag_block(*_block_products(kr, qr, _decayed(ki, rki, tl.exp(-li)), PREC_ACC))
+            _store_block(P_ws, scale * P_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
+            _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
+            tl.store(mark, 0)
+        else:  # left to ``_kda_exact_diag_kernel``
+            tl.store(mark, 1)
         span = tl.zeros([BK], dtype=tl.float32)  # e_{j+1} + ... + e_{i-1}
         for step in range(0, i):
             j = i - 1 - step
@@ -641,6 +681,8 @@ def _kda_block_kernel(
             _store_tile(G_ws, li + span[None, :], t0 + r, r < L, hv, 0, HV, K, BK)
         if WHOLE_P:
             _zero_upper_blocks(P_ws, t0, i, L, hv, HV, C)
+    else:
+        tl.store(mark, 0)
 
 
 @triton.jit
@@ -664,6 +706,43 @@ def _kda_gate_kernel(g, A_log, dt_bias, lower_bound, cu_seqlens, chunk_table, st
         gg = _log_decay_rows(g + hv * s_gh, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
                              K, BKG, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
         _store_tile(G_ws, tl.cumsum(gg, 0), tok, rmask, hv, c0, HV, K, BKG)
+
+
+@triton.jit
+def _kda_exact_diag_kernel(
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale,
+    cu_seqlens, chunk_table, state_indices,
+    P_ws, N_ws, G_ws,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
+    exact_marks,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+    QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
+    GATE_WS: tl.constexpr,
+):
+    """KDA, one (chunk, value head), arguments as the block kernel's: the diagonal 16 x 16 blocks
+    of P and N that the block kernel left to it (gates spanning FACTOR_SPAN or more within the
+    sub-chunk), exactly (``_split_diag_block``). ``exact_marks`` [chunks x HV] int32: the block
+    kernel's four bytes per (chunk, value head), byte i set where sub-chunk i is left here; a
+    program without marks reads them and returns."""
+    marks = tl.load(exact_marks + tl.program_id(0))
+    if marks != 0:
+        i_c, hv = _chunk_program(HV)
+        live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)  # marked: live
+        L = tl.minimum(eos - t0, C).to(tl.int32)
+        q += (hv // GROUP) * s_qh
+        k += (hv // GROUP) * s_kh
+        g += hv * s_gh
+        beta += hv * s_bh
+        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, True, FUSED_GATE)
+        for i in range(C // SUB):
+            if (marks >> (8 * i)) & 255 != 0:  # little-endian: byte i
+                qi, ki, rqi, rki, li, _, bi = _load_sub(
+                    q, k, g, beta, G_ws, hv, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
+                    lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
+                A_blk, P_blk = _diag_block(*_split_diag_block(qi, ki, rqi, rki, li, PREC_ACC, FACTOR_SPAN))
+                _store_block(P_ws, scale * P_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
+                _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
 
 
 @triton.jit
@@ -975,13 +1054,19 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
     # 1 warp 1.71 and 2 warps with 2 stages 1.56.
     # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
     # an sm_90 compile against 216 with 2 (not timed).
+    constants = dict(HV=HV, GROUP=HV // H, K=K, BK=max(triton.next_power_of_2(K), 16), C=C,
+                     QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=has_slots, BETA_LOGITS=recipe.beta_logits,
+                     PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws, **gate_flags)
+    exact_marks = torch.empty(grid[0], 4, dtype=torch.int8, device=q.device)  # every byte written
     _kda_block_kernel[grid + (1, 4)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
-        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws,
-        HV=HV, GROUP=HV // H, K=K, BK=max(triton.next_power_of_2(K), 16), C=C, QK_L2NORM=recipe.qk_l2norm,
-        HAS_SLOTS=has_slots, BETA_LOGITS=recipe.beta_logits, PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN,
-        GATE_WS=gate_ws, WHOLE_P=whole, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1,
-        **gate_flags)
+        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks, **constants,
+        WHOLE_P=whole, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1)
+    # 4 warps: no spills in an sm_90 compile (2: 48 bytes per thread)
+    _kda_exact_diag_kernel[grid](
+        q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws, G_ws,
+        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), exact_marks.view(torch.int32), **constants,
+        num_warps=4, num_stages=1)
     # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
     _invert_kernel[grid](cu_seqlens, table, slots, N_ws, T_ws, HV=HV, C=C, HAS_SLOTS=has_slots, WHOLE=whole,
                          num_warps=2, num_stages=1)

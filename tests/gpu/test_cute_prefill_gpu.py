@@ -289,8 +289,8 @@ def test_automatic_dispatch(monkeypatch):
     """bf16 rows at K = V = 128 run on the CuTe DSL kernels (Lightning, GDN, KDA);
     float32 inputs, unaligned rows, other head dims, and batches whose CTAs would fill few SMs
     where Triton cuts them into segments and the CuTe DSL kernel does not (Lightning: one long
-    sequence at 16 heads; GDN: one long sequence with checkpoints; KDA: one long sequence, which
-    it does not cut) go to the triton backend; a
+    sequence at 16 heads; GDN: one long sequence with checkpoints; KDA: one long sequence at a TP4
+    shard's 8 heads, which it does not cut) go to the triton backend; a
     named cute backend refuses what it cannot run and writes nothing."""
     s = SHAPES[MODE]
     gen = torch.Generator(device=DEVICE).manual_seed(19)
@@ -325,7 +325,10 @@ def test_automatic_dispatch(monkeypatch):
     kda = inputs("kda", 512, torch.bfloat16, seed=21)
     run_kda = lambda **kw: prefill_call("kda", kw)  # noqa: E731
     assert _picked(monkeypatch, run_kda, **kda) == "cute"  # 32 CTAs, too short for Triton to cut
-    assert _picked(monkeypatch, run_kda, **inputs("kda", 8192, torch.bfloat16, seed=24)) == "other"
+    assert _picked(monkeypatch, run_kda, **inputs("kda", 8192, torch.bfloat16, seed=24)) == "cute"  # 32 CTAs
+    shard = random_inputs("kda", (8192,), H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, device=DEVICE,
+                          generator=torch.Generator().manual_seed(25))
+    assert _picked(monkeypatch, run_kda, **shard) == "other"  # a TP4 shard, 8 CTAs: Triton's segments
 
     fp32 = args(256, dtype=torch.float32)
     fp32["state_pool"].fill_(float("nan"))
