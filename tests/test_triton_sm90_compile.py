@@ -1,8 +1,12 @@
-"""KDA's intra-chunk Triton kernels compiled for SM90 on the CPU, in a fresh process without
-``TRITON_INTERPRET``: the interpreter runs kernels as Python and misses what only the compiler
-checks (a name rebound to another type inside an ``if``, for one), which would then fail on the
-first GPU call. bf16 inputs (G from the gate pass, whole rows for the CuTe DSL state pass) and
-float32 inputs (gates computed in the block kernels)."""
+"""Every Triton kernel that the triton backend launches, compiled for SM90 on the CPU: the
+interpreter runs kernels as Python and misses what only the compiler checks (a name rebound to
+another type inside an ``if``, for one), which would then fail on the first GPU call.
+
+A fresh process without ``TRITON_INTERPRET`` runs the Level-1 API on CPU tensors with the
+launches recorded instead of run (prefill of GDN, KDA and Lightning with bf16 and float32
+inputs, checkpoints and segments; KDA's operands for the cute backend's state pass; decode;
+verify in the three protocols and commit), then compiles each distinct launch (75: about 85 s on
+one core) for sm_90 with its arguments' types, constexprs and options."""
 import os
 import subprocess
 import sys
@@ -10,45 +14,103 @@ import sys
 import pytest
 
 _COMPILE = """
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
-from cula_serve.kernels.delta_rule import chunk_triton as ct
+from cula_serve import cula_commit, cula_decode, cula_gdn, cula_kda, cula_lightning, cula_verify
+from cula_serve.api import _recipe
+from cula_serve.inputs import random_inputs
+from cula_serve.kernels.backends import triton_backend
+from cula_serve.kernels.delta_rule.chunk_triton import kda_chunk_operands
 
-POINTERS = dict(A_log="*fp32", dt_bias="*fp32", cu_seqlens="*i32", chunk_table="*i32", state_indices="*i32",
-                N_ws="*fp32", Minv_ws="*fp32", T_ws="*fp16", G_ws="*fp32", Kd_ws="*fp16")
-SCALARS = dict(lower_bound="fp32", scale="fp32")
-KERNELS = {"_kda_gate_kernel": dict(BKG=ct.GATE_TILE), "_kda_block_kernel": dict(WHOLE_P=True),
-           "_kda_exact_diag_kernel": {}, "_invert_kernel": dict(WHOLE=True)}
-
-
-def compile_all(inputs, PREC_ACC, GATE_WS, warps):
-    pointers = dict(POINTERS, q=inputs, k=inputs, g=inputs, beta=inputs, P_ws="*bf16", Qd_ws=inputs,
-                    Ke_ws="*bf16")
-    for name, extra in KERNELS.items():
-        fn = getattr(ct, name)
-        pointers["exact_marks"] = "*i8" if name == "_kda_block_kernel" else "*i32"
-        constants = dict(HV=8, GROUP=2, K=128, BK=128, C=64, QK_L2NORM=True, FUSED_GATE=True, HAS_DT_BIAS=True,
-                         SAFE_GATE=False, BETA_LOGITS=True, HAS_SLOTS=True, PREC_ACC=PREC_ACC,
-                         FACTOR_SPAN=ct.FACTOR_SPAN, GATE_WS=GATE_WS, **extra)
-        constants = {k: v for k, v in constants.items() if k in fn.arg_names}
-        signature = {arg: "constexpr" if arg in constants else pointers.get(arg, SCALARS.get(arg, "i32"))
-                     for arg in fn.arg_names}
-        source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps[name], num_stages=1))
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+         torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+launches = {}
 
 
-compile_all("*bf16", "tf32", True, dict(_kda_gate_kernel=2, _kda_block_kernel=2, _kda_exact_diag_kernel=4,
-                                        _invert_kernel=2))
-compile_all("*fp32", "tf32x3", False, dict(_kda_gate_kernel=2, _kda_block_kernel=4, _kda_exact_diag_kernel=4,
-                                           _invert_kernel=2))
+def record(fn, *args, grid, warmup, **kwargs):
+    values = dict(zip(fn.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+    signature, constexprs = {}, {}
+    for i, param in enumerate(fn.params):
+        value = values[param.name] if param.name in values else param.default
+        if param.is_constexpr or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    key = (fn.fn.__name__, repr(signature), repr(sorted(constexprs.items())), repr(sorted(options.items())))
+    launches.setdefault(key, (fn, signature, constexprs, options))
+
+
+JITFunction.run = record
+triton_backend.availability = lambda device: None  # compiled here, never run
+TRITON = dict(backend="triton")
+shape = dict(H=4, HV=8, K=128, V=128)
+generator = torch.Generator().manual_seed(0)
+lens = [200, 1, 70]
+cu_seqlens = torch.tensor([0, 200, 201, 271], dtype=torch.int32)
+slots = torch.tensor([2, -1, 0], dtype=torch.int32)
+
+for mode, prefill in (("gdn", cula_gdn), ("kda", cula_kda), ("lightning", cula_lightning)):
+    for dtype, state_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        kw = random_inputs(mode, (sum(lens),), **shape, dtype=dtype, generator=generator)
+        pool = torch.zeros(4, 8, 128, 128, dtype=state_dtype)
+        call = dict(kw, cu_seqlens=cu_seqlens, state_pool=pool, state_indices=slots, **TRITON)
+        prefill(**call)
+        prefill(**call, checkpoint_every=64, checkpoint_indices=torch.full((3, 4), -1, dtype=torch.int32))
+        prefill(**call, segment_tokens=64)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        pool = torch.zeros(4, 8, 128, 128, dtype=state_dtype)
+        kw = random_inputs(mode, (3, 1), **shape, generator=generator)
+        q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+        cula_decode(q, k, v, pool, mode=mode, state_indices=slots, **kw, **TRITON)
+        kw = random_inputs(mode, (3, 4), **shape, generator=generator)
+        q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+        accepted = torch.tensor([2, 0, 4], dtype=torch.int32)
+        _, pending = cula_verify(q, k, v, pool, mode=mode, protocol="deferred", state_indices=slots, **kw, **TRITON)
+        cula_commit(pending, accepted)
+        buffer = torch.zeros(3, 4, 8, 128, 128, dtype=state_dtype)
+        _, pending = cula_verify(q, k, v, pool, mode=mode, protocol="buffer", state_indices=slots,
+                                 intermediate_states=buffer, intermediate_indices=torch.arange(3, dtype=torch.int32),
+                                 **kw, **TRITON)
+        cula_commit(pending, accepted)
+        columns = torch.tensor([[2, 3, -1, -1], [-1] * 4, [0, 1, -1, -1]], dtype=torch.int32)
+        _, pending = cula_verify(q, k, v, pool, mode=mode, protocol="slots", state_indices=columns,
+                                 num_accepted_tokens=torch.tensor([1, 1, 2], dtype=torch.int32), **kw, **TRITON)
+        cula_commit(pending, accepted.clamp(min=1))
+
+# the intra-chunk operands of the cute backend's KDA state pass (whole rows)
+kw = random_inputs("kda", (sum(lens),), **shape, generator=generator)
+recipe, g, beta = _recipe("kda", (sum(lens),), 8, 128, device=kw["q"].device, g=kw["g"], beta=kw["beta"], decay=None,
+                          scale=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
+                          dt_bias=kw["dt_bias"], lower_bound=None, use_beta_sigmoid_in_kernel=True)
+kda_chunk_operands(recipe, kw["q"], kw["k"], g, beta, cu_seqlens=cu_seqlens, state_indices=slots)
+
+target = GPUTarget("cuda", 90, 32)
+for fn, signature, constexprs, options in launches.values():
+    try:
+        triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=target, options=options)
+    except Exception as err:
+        raise SystemExit(f"{fn.fn.__name__} {signature} {constexprs} {options}: {err}")
+print(len(launches), "launches compiled")
 print("ok")
 """
 
 
-def test_kda_intra_kernels_compile_for_sm90():
+def test_every_triton_launch_compiles_for_sm90():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout + result.stderr)[-3000:]
