@@ -1,4 +1,4 @@
-"""The CuTe DSL GDN prefill keeps its wgmma pipelined: compiled for SM90 on the CPU (where
+"""The CuTe DSL GDN and KDA prefills keep their wgmma pipelined: compiled for SM90 on the CPU (where
 nvidia-cutlass-dsl and triton's cuobjdump are installed), the SASS must not wait on every wgmma.
 
 ptxas serialises every wgmma of a kernel (a ``WARPGROUP.DEPBAR`` after each ``HGMMA``) when one
@@ -13,9 +13,10 @@ import sys
 
 import pytest
 
-from cute_sm90 import GDN_PREFILL
+from cute_sm90 import GDN_PREFILL, KDA_PREFILL
 
 _COMPILE = "import sys\nSEGMENTED = sys.argv[1] == '1'\n" + GDN_PREFILL + "print('ok')\n"
+_COMPILE_KDA = KDA_PREFILL + "print('ok')\n"
 
 
 def _cuobjdump():
@@ -26,18 +27,31 @@ def _cuobjdump():
     return path
 
 
-@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented"])
-def test_gdn_prefill_wgmma_is_not_serialised(tmp_path, segmented):
+def _wgmma_events(tmp_path, source, *argv) -> str:
+    """"G" for each HGMMA and "W" for each wait on the wgmma pipeline, in SASS order, of the
+    kernel ``source`` compiles."""
     pytest.importorskip("cutlass")
     cuobjdump = _cuobjdump()
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "cubin", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", _COMPILE, "1" if segmented else "0"], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", source, *argv], env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
     (cubin,) = glob.glob(str(tmp_path / "*.cubin"))
     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    events = "".join("G" if "HGMMA" in line else "W"
-                     for line in sass.splitlines() if re.search(r"HGMMA|WARPGROUP\.DEPBAR", line))
+    return "".join("G" if "HGMMA" in line else "W"
+                   for line in sass.splitlines() if re.search(r"HGMMA|WARPGROUP\.DEPBAR", line))
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented"])
+def test_gdn_prefill_wgmma_is_not_serialised(tmp_path, segmented):
+    events = _wgmma_events(tmp_path, _COMPILE, "1" if segmented else "0")
     issues, waits = events.count("G"), events.count("W")
     # 48 wgmma a chunk (the aux's 16, the state's 32), waited on once per product group
     assert issues >= 48 and waits <= issues // 4, f"wgmma serialised: {events}"
+
+
+def test_kda_prefill_wgmma_is_not_serialised(tmp_path):
+    """KDA's state pass (``chunk_cute._kda_kernel``): the state warpgroups' 32 wgmma a chunk."""
+    events = _wgmma_events(tmp_path, _COMPILE_KDA)
+    issues, waits = events.count("G"), events.count("W")
+    assert issues >= 32 and waits <= issues // 4, f"wgmma serialised: {events}"
