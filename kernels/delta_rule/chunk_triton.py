@@ -1032,9 +1032,10 @@ def planned_segment_tokens(T: int, N: int, HV: int, K: int, V: int, num_sms: int
 def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces: tuple, gate_ws: bool,
                whole: bool):
     """KDA's intra-chunk launches (kernel 1 of the module docstring): the gate pass (with
-    ``gate_ws``), the block kernel and the inverse. ``workspaces`` (P, N, M^-1's destination, G, Qd,
-    Kd, Ke), all [T, HV, ...]; N and the destination may be one tensor (in place). ``whole``: P and
-    M^-1 also get zeros above their lower blocks, so that whole rows can be read."""
+    ``gate_ws``), the block kernel, the exact diagonal blocks and the inverse. ``workspaces`` (P,
+    N, M^-1's destination, G, Qd, Kd, Ke), all [T, HV, ...]; N and the destination may be one
+    tensor (in place). ``whole``: P and M^-1 also get zeros above their lower blocks, so that
+    whole rows can be read."""
     T, H, K = q.shape
     HV = beta.shape[1]
     C = CHUNK_SIZE
