@@ -382,6 +382,14 @@ def _load_block(ws, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _store_P_N(P_ws, N_ws, P, A, scale, b, t0, row0, col0, L, hv, HV: tl.constexpr, C: tl.constexpr):
+    """KDA: the 16 x 16 block at (row0, col0) of P (times ``scale``) and of N = diag(b) A, ``b``
+    the block rows' beta, into their workspaces."""
+    _store_block(P_ws, scale * P, t0, row0, col0, L, hv, HV, C)
+    _store_block(N_ws, b[:, None] * A, t0, row0, col0, L, hv, HV, C)
+
+
+@triton.jit
 def _mm(a, b):
     """16 x 16 products of the block inversion, in IEEE float32: the solve sets the accuracy. With
     tf32 here (FLA's choice) keys correlated within a chunk raised the final states' error 2-6x
@@ -479,6 +487,15 @@ def _gdn_intra_kernel(
                            HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_IN)
         tl.debug_barrier()  # N is read back by other warps than those that wrote it
         _invert_chunk(Minv_ws, Minv_ws, t0, L, hv, HV, C, False)
+
+
+@triton.jit
+def _kda_head(q, k, g, beta, A_log, dt_bias, hv, s_qh, s_kh, s_gh, s_bh, GROUP: tl.constexpr, K: tl.constexpr,
+              FUSED_GATE: tl.constexpr):
+    """KDA's per-head arguments of value head ``hv``: q and k at its qk head, g and beta at it, and
+    its fused-gate constants (A, dt_bias: ``_head_gate``)."""
+    A, dt_bias = _head_gate(A_log, dt_bias, hv, K, True, FUSED_GATE)
+    return q + (hv // GROUP) * s_qh, k + (hv // GROUP) * s_kh, g + hv * s_gh, beta + hv * s_bh, A, dt_bias
 
 
 @triton.jit
@@ -639,11 +656,8 @@ def _kda_block_kernel(
     L = tl.minimum(eos - t0, C).to(tl.int32)
     mark = exact_marks + tl.program_id(0) * 4 + i
     if live & (i * SUB < L):
-        q += (hv // GROUP) * s_qh
-        k += (hv // GROUP) * s_kh
-        g += hv * s_gh
-        beta += hv * s_bh
-        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, True, FUSED_GATE)
+        q, k, g, beta, A, dt_bias = _kda_head(q, k, g, beta, A_log, dt_bias, hv, s_qh, s_kh, s_gh, s_bh, GROUP, K,
+                                              FUSED_GATE)
         qi, ki, rqi, rki, li, ei, bi = _load_sub(
             q, k, g, beta, G_ws, hv, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
             lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
@@ -661,8 +675,7 @@ def _kda_block_kernel(
                         K, BK)
         if tl.max(tl.max(-li, 1), 0) < FACTOR_SPAN:
             A_blk, P_blk = _diag_block(*_block_products(kr, qr, _decayed(ki, rki, tl.exp(-li)), PREC_ACC))
-            _store_block(P_ws, scale * P_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
-            _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
+            _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, i * SUB, L, hv, HV, C)
             tl.store(mark, 0)
         else:  # left to ``_kda_exact_diag_kernel``
             tl.store(mark, 1)
@@ -673,8 +686,7 @@ def _kda_block_kernel(
                 q, k, g, beta, G_ws, hv, t0, j * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
                 lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
             A_blk, P_blk = _block_products(kr, qr, _decayed(kj, rkj, tl.exp((ej + span)[None, :] - lj)), PREC_ACC)
-            _store_block(P_ws, scale * P_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
-            _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, j * SUB, L, hv, HV, C)
+            _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, j * SUB, L, hv, HV, C)
             span += ej
         if not GATE_WS:
             r = i * SUB + tl.arange(0, SUB)
@@ -730,19 +742,15 @@ def _kda_exact_diag_kernel(
         i_c, hv = _chunk_program(HV)
         live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)  # marked: live
         L = tl.minimum(eos - t0, C).to(tl.int32)
-        q += (hv // GROUP) * s_qh
-        k += (hv // GROUP) * s_kh
-        g += hv * s_gh
-        beta += hv * s_bh
-        A, dt_bias = _head_gate(A_log, dt_bias, hv, K, True, FUSED_GATE)
+        q, k, g, beta, A, dt_bias = _kda_head(q, k, g, beta, A_log, dt_bias, hv, s_qh, s_kh, s_gh, s_bh, GROUP, K,
+                                              FUSED_GATE)
         for i in range(C // SUB):
             if (marks >> (8 * i)) & 255 != 0:  # little-endian: byte i
                 qi, ki, rqi, rki, li, _, bi = _load_sub(
                     q, k, g, beta, G_ws, hv, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
                     lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
                 A_blk, P_blk = _diag_block(*_split_diag_block(qi, ki, rqi, rki, li, PREC_ACC, FACTOR_SPAN))
-                _store_block(P_ws, scale * P_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
-                _store_block(N_ws, bi[:, None] * A_blk, t0, i * SUB, i * SUB, L, hv, HV, C)
+                _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, i * SUB, L, hv, HV, C)
 
 
 @triton.jit
