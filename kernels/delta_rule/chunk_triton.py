@@ -585,7 +585,7 @@ def _split_diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, FACTOR_SPAN:
     The previous fallback, inside the block kernel one key column at a time (16 elementwise
     16 x K exponentials and four row reductions across warps per column): that kernel took
     4.39 ms at KDA 4 x 8192 with strong gates (``random_inputs``' fused ones) on an H200; now
-    1.24 ms, plus 1.44 ms in ``_kda_exact_diag_kernel``."""
+    1.10 ms, plus 1.12 ms in ``_kda_exact_diag_kernel``."""
     r = tl.arange(0, SUB)
     log_b = 0  # log2 of b
     for level in range(1, 4):  # spans only grow with the block size: the largest safe one wins
@@ -680,12 +680,21 @@ def _kda_block_kernel(
         else:  # left to ``_kda_exact_diag_kernel``
             tl.store(mark, 1)
         span = tl.zeros([BK], dtype=tl.float32)  # e_{j+1} + ... + e_{i-1}
+        if PREC_ACC == "tf32":
+            # The off-diagonal blocks' factors are both <= 1, so fp16 operands cannot overflow, and
+            # keep tf32's 10-bit mantissa, rounded: half the mma steps and operand bytes. H200, KDA
+            # 32 heads 4 x 8192: this kernel 1.341 -> 1.229 ms (mild gates), 1.243 -> 1.102 (raw);
+            # errors against the float64 oracle unchanged (2.6e-3 output, 4.7e-4 states; also with
+            # correlated keys). The diagonal block's exp(-l) reaches e^FACTOR_SPAN: tf32 there.
+            kr = kr.to(tl.float16)
+            qr = qr.to(tl.float16)
         for step in range(0, i):
             j = i - 1 - step
             _, kj, _, rkj, lj, ej, _ = _load_sub(  # q and beta of sub-chunk j unused (not loaded)
                 q, k, g, beta, G_ws, hv, t0, j * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
                 lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
-            A_blk, P_blk = _block_products(kr, qr, _decayed(kj, rkj, tl.exp((ej + span)[None, :] - lj)), PREC_ACC)
+            A_blk, P_blk = _block_products(kr, qr, _decayed(kj, rkj, tl.exp((ej + span)[None, :] - lj)),
+                                           "fp16" if PREC_ACC == "tf32" else PREC_ACC)
             _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, j * SUB, L, hv, HV, C)
             span += ej
         if not GATE_WS:
@@ -732,25 +741,26 @@ def _kda_exact_diag_kernel(
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
     GATE_WS: tl.constexpr,
 ):
-    """KDA, one (chunk, value head), arguments as the block kernel's: the diagonal 16 x 16 blocks
-    of P and N that the block kernel left to it (gates spanning FACTOR_SPAN or more within the
-    sub-chunk), exactly (``_split_diag_block``). ``exact_marks`` [chunks x HV] int32: the block
-    kernel's four bytes per (chunk, value head), byte i set where sub-chunk i is left here; a
-    program without marks reads them and returns."""
-    marks = tl.load(exact_marks + tl.program_id(0))
-    if marks != 0:
+    """KDA, one (chunk, value head, sub-chunk i), arguments as the block kernel's: the diagonal 16 x 16
+    block (i, i) of P and N where the block kernel left it here (gates spanning FACTOR_SPAN or more
+    within the sub-chunk), exactly (``_split_diag_block``). ``exact_marks`` int8 [chunks x HV, 4]:
+    the block kernel's byte per sub-chunk, nonzero where left here; an unmarked program reads its
+    byte and returns. One program per sub-chunk on 2 warps: H200, KDA 32 heads 4 x 8192, raw
+    gates, the intra-chunk launches 3.17 ms against 3.64 with 4 warps and 3.49 with one program
+    per chunk on 4 warps (its marked sub-chunks in turn); with mild gates, all unmarked, 2.048
+    against 2.023 for the latter."""
+    i = tl.program_id(1)
+    if tl.load(exact_marks + tl.program_id(0) * 4 + i) != 0:
         i_c, hv = _chunk_program(HV)
         live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)  # marked: live
         L = tl.minimum(eos - t0, C).to(tl.int32)
         q, k, g, beta, A, dt_bias = _kda_head(q, k, g, beta, A_log, dt_bias, hv, s_qh, s_kh, s_gh, s_bh, GROUP, K,
                                               FUSED_GATE)
-        for i in range(C // SUB):
-            if (marks >> (8 * i)) & 255 != 0:  # little-endian: byte i
-                qi, ki, rqi, rki, li, _, bi = _load_sub(
-                    q, k, g, beta, G_ws, hv, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
-                    lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
-                A_blk, P_blk = _diag_block(*_split_diag_block(qi, ki, rqi, rki, li, PREC_ACC, FACTOR_SPAN))
-                _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, i * SUB, L, hv, HV, C)
+        qi, ki, rqi, rki, li, _, bi = _load_sub(
+            q, k, g, beta, G_ws, hv, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
+            lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
+        A_blk, P_blk = _diag_block(*_split_diag_block(qi, ki, rqi, rki, li, PREC_ACC, FACTOR_SPAN))
+        _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, i * SUB, L, hv, HV, C)
 
 
 @triton.jit
@@ -1071,11 +1081,10 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks, **constants,
         WHOLE_P=whole, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1)
-    # 4 warps: no spills in an sm_90 compile (2: 48 bytes per thread)
-    _kda_exact_diag_kernel[grid](
+    _kda_exact_diag_kernel[grid + (C // SUB,)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws, G_ws,
-        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), exact_marks.view(torch.int32), **constants,
-        num_warps=4, num_stages=1)
+        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), exact_marks, **constants,
+        num_warps=2 if prec["PREC_ACC"] != "tf32x3" else 4, num_stages=1)
     # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
     _invert_kernel[grid](cu_seqlens, table, slots, N_ws, T_ws, HV=HV, C=C, HAS_SLOTS=has_slots, WHOLE=whole,
                          num_warps=2, num_stages=1)
