@@ -285,7 +285,7 @@ def _split_diag_block_kernel(q_ptr, k_ptr, l_ptr, A_ptr, P_ptr, BK: tl.constexpr
     tile = rows[:, None] * BK + tl.arange(0, BK)[None, :]
     ones = tl.full([16], 1.0, tl.float32)
     A, P = _diag_block(*_split_diag_block(tl.load(q_ptr + tile), tl.load(k_ptr + tile), ones, ones,
-                                          tl.load(l_ptr + tile), "ieee", FACTOR_SPAN))
+                                          tl.load(l_ptr + tile), "ieee", "ieee", FACTOR_SPAN))
     block = rows[:, None] * 16 + rows[None, :]
     tl.store(A_ptr + block, A)
     tl.store(P_ptr + block, P)

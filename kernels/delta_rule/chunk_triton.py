@@ -157,7 +157,10 @@ ROW_FACTORS = tl.constexpr(4)  # GDN's float32 row factors per token and value h
 FACTOR_SPAN = 80.0
 MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
 WU_TILE = 32  # columns of W and U~ per product in the W / U~ kernel
-GATE_TILE, GATE_WARPS = 64, 2  # channels and warps of a KDA gate program
+# Channels and warps of a KDA gate program. H200, KDA 32 heads 4 x 8192, the intra-chunk launches:
+# raw gates (softplus of the fused gate) 2.800 ms on 4 warps against 2.895 on 2 and 3.600 on 1;
+# prepared gates 1.936 / 1.934 / 1.938.
+GATE_TILE, GATE_WARPS = 64, 4
 # Segments (kernels/common/segments.py): their transitions carry K more state columns, so few and
 # long pay best (H200, GDN 1 x 32768: 3.89 ns per token-head unsegmented, 3.50 in four segments,
 # 3.80 in five, 3.82 in 32); none shorter than 1024 tokens (each costs a [V, K] x [K, K] step).
@@ -569,7 +572,8 @@ def _diag_block(A, P):
 
 
 @triton.jit
-def _split_diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr):
+def _split_diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, PREC_UNIT: tl.constexpr,
+                      FACTOR_SPAN: tl.constexpr):
     """A and P / scale of a diagonal block whose gates span FACTOR_SPAN or more, exactly (lower
     triangles not yet masked), from the sub-chunk's q and k rows, their inverse norms and ``li``,
     the cumulative gate from the sub-chunk's start.
@@ -582,10 +586,13 @@ def _split_diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, FACTOR_SPAN:
     one decayed tile exp(-|l - l_m|) for both sides and one product a level. Pairs within a
     b-block split at its first row f, exp(l_t - l_f) <= 1 times exp(l_f - l_s) < e^FACTOR_SPAN;
     b = 1 leaves only t = s, decay 1. The gates decide b, on the device. Each pair is taken once.
-    The previous fallback, inside the block kernel one key column at a time (16 elementwise
-    16 x K exponentials and four row reductions across warps per column): that kernel took
-    4.39 ms at KDA 4 x 8192 with strong gates (``random_inputs``' fused ones) on an H200; now
-    1.10 ms, plus 1.12 ms in ``_kda_exact_diag_kernel``."""
+    The levels' products take PREC_UNIT (both factors <= 1; ``_kda_exact_diag_kernel`` on an H200
+    at KDA 4 x 8192 with raw gates 0.984 ms in fp16 against 1.124 in tf32), the within-block one
+    PREC_ACC (its column factors reach e^FACTOR_SPAN). The previous fallback, inside the block
+    kernel one key column at a time (16 elementwise 16 x K exponentials and four row reductions
+    across warps per column): that kernel took 4.39 ms at KDA 4 x 8192 with strong gates
+    (``random_inputs``' fused ones) on an H200; now 1.10 ms, plus 0.98 ms in
+    ``_kda_exact_diag_kernel``."""
     r = tl.arange(0, SUB)
     log_b = 0  # log2 of b
     for level in range(1, 4):  # spans only grow with the block size: the largest safe one wins
@@ -597,7 +604,7 @@ def _split_diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, FACTOR_SPAN:
         upper = (r >> log_h) % 2 == 1
         decay = tl.exp(-tl.abs(li - _rows_of(li, (r >> log_h << log_h) + tl.where(upper, 0, 1 << log_h))))
         kx = _decayed(ki, rki, decay)
-        A_h, P_h = _block_products(kx, _decayed(qi, rqi, decay), kx, PREC_ACC)
+        A_h, P_h = _block_products(kx, _decayed(qi, rqi, decay), kx, PREC_UNIT)
         lower = (r >> log_h) % 2 == 0
         pairs = (r[:, None] >> (log_h + 1) == r[None, :] >> (log_h + 1)) & upper[:, None] & lower[None, :]
         A += tl.where(pairs, A_h, 0.0)
@@ -620,7 +627,8 @@ def _kda_block_kernel(
     G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
-    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_UNIT: tl.constexpr,
+    FACTOR_SPAN: tl.constexpr,
     GATE_WS: tl.constexpr, WHOLE_P: tl.constexpr,
 ):
     """KDA, one (chunk, value head, row sub-chunk i): the 16 x 16 blocks (i, j <= i) of P (times
@@ -680,12 +688,12 @@ def _kda_block_kernel(
         else:  # left to ``_kda_exact_diag_kernel``
             tl.store(mark, 1)
         span = tl.zeros([BK], dtype=tl.float32)  # e_{j+1} + ... + e_{i-1}
-        if PREC_ACC == "tf32":
-            # The off-diagonal blocks' factors are both <= 1, so fp16 operands cannot overflow, and
-            # keep tf32's 10-bit mantissa, rounded: half the mma steps and operand bytes. H200, KDA
-            # 32 heads 4 x 8192: this kernel 1.341 -> 1.229 ms (mild gates), 1.243 -> 1.102 (raw);
-            # errors against the float64 oracle unchanged (2.6e-3 output, 4.7e-4 states; also with
-            # correlated keys). The diagonal block's exp(-l) reaches e^FACTOR_SPAN: tf32 there.
+        if PREC_UNIT == "fp16":
+            # The off-diagonal blocks' factors are both <= 1 (PREC_UNIT, ``precisions``). H200, KDA
+            # 32 heads 4 x 8192: this kernel 1.341 -> 1.229 ms (mild gates), 1.243 -> 1.102 (raw)
+            # against tf32; errors against the float64 oracle unchanged (2.6e-3 output, 4.7e-4
+            # states; also with correlated keys). The diagonal block's exp(-l) reaches
+            # e^FACTOR_SPAN: PREC_ACC there.
             kr = kr.to(tl.float16)
             qr = qr.to(tl.float16)
         for step in range(0, i):
@@ -693,8 +701,7 @@ def _kda_block_kernel(
             _, kj, _, rkj, lj, ej, _ = _load_sub(  # q and beta of sub-chunk j unused (not loaded)
                 q, k, g, beta, G_ws, hv, t0, j * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
                 lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
-            A_blk, P_blk = _block_products(kr, qr, _decayed(kj, rkj, tl.exp((ej + span)[None, :] - lj)),
-                                           "fp16" if PREC_ACC == "tf32" else PREC_ACC)
+            A_blk, P_blk = _block_products(kr, qr, _decayed(kj, rkj, tl.exp((ej + span)[None, :] - lj)), PREC_UNIT)
             _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, j * SUB, L, hv, HV, C)
             span += ej
         if not GATE_WS:
@@ -715,8 +722,9 @@ def _kda_gate_kernel(g, A_log, dt_bias, lower_bound, cu_seqlens, chunk_table, st
     start (float32), into ``G_ws`` [T, HV, K]. Once per chunk, so that the block kernel reads its
     sub-chunks' decays instead of scanning each of them once per row block (ten 16-row scans
     across warps per chunk: 0.25 of its 1.52 ms at KDA 4 x 8192 on an H200). This pass takes
-    about 0.26 ms there with 64 channels on 2 warps (32 on 1: 0.29; a thread per channel walking
-    the 64 rows instead of the scan: 0.27-0.52)."""
+    about 0.26 ms there with prepared gates and 64 channels on 2 warps (32 on 1: 0.29; a thread per
+    channel walking the 64 rows instead of the scan: 0.27-0.52), 0.44 with raw gates on 2 warps
+    (GATE_WARPS)."""
     i_c, hv = _chunk_program(HV)
     c0 = tl.program_id(1) * BKG
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
@@ -738,7 +746,8 @@ def _kda_exact_diag_kernel(
     exact_marks,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
-    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, FACTOR_SPAN: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_UNIT: tl.constexpr,
+    FACTOR_SPAN: tl.constexpr,
     GATE_WS: tl.constexpr,
 ):
     """KDA, one (chunk, value head, sub-chunk i), arguments as the block kernel's: the diagonal 16 x 16
@@ -759,7 +768,7 @@ def _kda_exact_diag_kernel(
         qi, ki, rqi, rki, li, _, bi = _load_sub(
             q, k, g, beta, G_ws, hv, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
             lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
-        A_blk, P_blk = _diag_block(*_split_diag_block(qi, ki, rqi, rki, li, PREC_ACC, FACTOR_SPAN))
+        A_blk, P_blk = _diag_block(*_split_diag_block(qi, ki, rqi, rki, li, PREC_ACC, PREC_UNIT, FACTOR_SPAN))
         _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, i * SUB, L, hv, HV, C)
 
 
@@ -987,16 +996,19 @@ def _gate_params(recipe: Recipe, device):
 def precisions(dtype: torch.dtype) -> dict:
     """Product precisions for inputs of ``dtype`` (module docstring): PREC_IN for products of two
     raw inputs, PREC_ACC where errors are amplified, PREC_RAW where they are amplified and one
-    operand is a raw input tile, PREC_FAST for W S and Q S.
+    operand is a raw input tile, PREC_FAST for W S and Q S, PREC_UNIT where errors are amplified
+    and both operands' entries are at most 1 in magnitude (KDA's decayed q and k tiles whose
+    factors are <= 1): fp16 cannot overflow there and keeps tf32's 10-bit mantissa, rounded, with
+    half the mma steps and operand bytes.
 
     float32 inputs take "tf32x3" (three tf32 products: float32 accuracy on the tensor cores;
     IEEE products lower to CUDA-core FMAs whose unrolled code spills heavily, and were no more
     accurate on an H200). The interpreter computes it exactly."""
     if dtype == torch.float32:
-        return dict(PREC_IN="tf32x3", PREC_ACC="tf32x3", PREC_RAW="tf32x3", PREC_FAST="tf32x3")
+        return dict(PREC_IN="tf32x3", PREC_ACC="tf32x3", PREC_RAW="tf32x3", PREC_FAST="tf32x3", PREC_UNIT="tf32x3")
     if dtype == torch.float16:
-        return dict(PREC_IN="fp16", PREC_ACC="tf32", PREC_RAW="tf32", PREC_FAST="tf32")
-    return dict(PREC_IN="bf16", PREC_ACC="tf32", PREC_RAW="bf16x2", PREC_FAST="bf16")
+        return dict(PREC_IN="fp16", PREC_ACC="tf32", PREC_RAW="tf32", PREC_FAST="tf32", PREC_UNIT="fp16")
+    return dict(PREC_IN="bf16", PREC_ACC="tf32", PREC_RAW="bf16x2", PREC_FAST="bf16", PREC_UNIT="fp16")
 
 
 def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: int = 0) -> dict:
@@ -1075,7 +1087,8 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
     # an sm_90 compile against 216 with 2 (not timed).
     constants = dict(HV=HV, GROUP=HV // H, K=K, BK=max(triton.next_power_of_2(K), 16), C=C,
                      QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=has_slots, BETA_LOGITS=recipe.beta_logits,
-                     PREC_ACC=prec["PREC_ACC"], FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws, **gate_flags)
+                     PREC_ACC=prec["PREC_ACC"], PREC_UNIT=prec["PREC_UNIT"], FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws,
+                     **gate_flags)
     exact_marks = torch.empty(grid[0], 4, dtype=torch.int8, device=q.device)  # every byte written
     _kda_block_kernel[grid + (1, 4)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
