@@ -161,6 +161,16 @@ WU_TILE = 32  # columns of W and U~ per product in the W / U~ kernel
 # raw gates (softplus of the fused gate) 2.800 ms on 4 warps against 2.895 on 2 and 3.600 on 1;
 # prepared gates 1.936 / 1.934 / 1.938.
 GATE_TILE, GATE_WARPS = 64, 4
+# Register cap of the intra-chunk kernels with bf16 / fp16 inputs: KDA's block and exact diagonal
+# kernels (2 warps: six programs per SM instead of four) and GDN's (4 warps: three instead of
+# two), against spills (sm_90 compile of KDA's: about 900 and 120 bytes per thread). They are
+# latency-bound (ncu, KDA's block kernel: 2 warps per scheduler, 4.9 cycles per issued
+# instruction). H200, 32 heads 4 x 8192: KDA's intra-chunk launches, prepared / raw gates, 1.952 /
+# 2.809 ms uncapped, 1.771 / 2.595 with both at 168; the block kernel alone at 200, 168, 144, 128:
+# 1.989 / 2.816, 1.779 / 2.678, 1.979 / 2.871, 2.337 / 3.219. GDN's whole Triton prefill 2.376 ms
+# uncapped, 2.161 with its intra kernel at 168, 2.197 at 128. Not capped: the inverse (1.971 /
+# 2.827 at 168), the W / U~ kernel (2.378 at 168 and 128) and the state pass (3.490 / 3.410).
+INTRA_MAXNREG = 168
 # Segments (kernels/common/segments.py): their transitions carry K more state columns, so few and
 # long pay best (H200, GDN 1 x 32768: 3.89 ns per token-head unsegmented, 3.50 in four segments,
 # 3.80 in five, 3.82 in 32); none shorter than 1024 tokens (each costs a [V, K] x [K, K] step).
@@ -1090,14 +1100,15 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
                      PREC_ACC=prec["PREC_ACC"], PREC_UNIT=prec["PREC_UNIT"], FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws,
                      **gate_flags)
     exact_marks = torch.empty(grid[0], 4, dtype=torch.int8, device=q.device)  # every byte written
+    register_cap = dict(maxnreg=INTRA_MAXNREG) if prec["PREC_ACC"] != "tf32x3" else {}
     _kda_block_kernel[grid + (1, 4)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks, **constants,
-        WHOLE_P=whole, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1)
+        WHOLE_P=whole, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **register_cap)
     _kda_exact_diag_kernel[grid + (C // SUB,)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws, G_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), exact_marks, **constants,
-        num_warps=2 if prec["PREC_ACC"] != "tf32x3" else 4, num_stages=1)
+        num_warps=2 if prec["PREC_ACC"] != "tf32x3" else 4, num_stages=1, **register_cap)
     # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
     _invert_kernel[grid](cu_seqlens, table, slots, N_ws, T_ws, HV=HV, C=C, HAS_SLOTS=has_slots, WHOLE=whole,
                          num_warps=2, num_stages=1)
@@ -1223,8 +1234,9 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         intra_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
                            **gate_flags)
         # 4 warps: GDN 4 x 8192 whole prefill 3.21 ms with 4, 3.20 with 8 on an H200 (bf16)
+        register_cap = dict(maxnreg=INTRA_MAXNREG) if prec["PREC_ACC"] != "tf32x3" else {}
         _gdn_intra_kernel[grid](*intra_args, F_ws, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
-                                num_warps=4, num_stages=1, **intra_flags)
+                                num_warps=4, num_stages=1, **register_cap, **intra_flags)
     # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: GDN 0.773 -> 0.739 ms, KDA
     # 1.050 -> 1.001); with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
     _delta_wu_kernel[grid](
