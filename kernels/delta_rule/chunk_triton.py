@@ -1021,6 +1021,12 @@ def precisions(dtype: torch.dtype) -> dict:
     return dict(PREC_IN="bf16", PREC_ACC="tf32", PREC_RAW="bf16x2", PREC_FAST="bf16", PREC_UNIT="fp16")
 
 
+def _intra_register_cap(prec: dict) -> dict:
+    """The intra-chunk kernels' launch option ``maxnreg`` (INTRA_MAXNREG) for ``precisions``'
+    ``prec``: none for float32 inputs, whose tf32x3 tiles already spill uncapped."""
+    return dict(maxnreg=INTRA_MAXNREG) if prec["PREC_ACC"] != "tf32x3" else {}
+
+
 def sequential_config(BK: int, V: int, prec_fast: str, heads: int = 0, num_sms: int = 0) -> dict:
     """(BV, num_warps, num_stages) of a kernel that walks the chunks with S [BK, BV] in registers.
 
@@ -1093,14 +1099,14 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
     # Warps timed on an H200 (bf16, 4 x 8192, fused gates, one row of blocks per program, before
     # the gate pass): 2 warps 1.46 ms against 4 warps 2.05; in a later run 2 warps 1.53 against
     # 1 warp 1.71 and 2 warps with 2 stages 1.56.
-    # float32 inputs (tf32x3, twice the operand tiles) take 4: 40 bytes of spills per thread in
-    # an sm_90 compile against 216 with 2 (not timed).
+    # float32 inputs (tf32x3, twice the operand tiles) take 4: an sm_90 compile (fused gate, K =
+    # 128) spills 1136 bytes per thread with 4 warps, 2508 with 2 (not timed).
     constants = dict(HV=HV, GROUP=HV // H, K=K, BK=max(triton.next_power_of_2(K), 16), C=C,
                      QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=has_slots, BETA_LOGITS=recipe.beta_logits,
                      PREC_ACC=prec["PREC_ACC"], PREC_UNIT=prec["PREC_UNIT"], FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws,
                      **gate_flags)
     exact_marks = torch.empty(grid[0], 4, dtype=torch.int8, device=q.device)  # every byte written
-    register_cap = dict(maxnreg=INTRA_MAXNREG) if prec["PREC_ACC"] != "tf32x3" else {}
+    register_cap = _intra_register_cap(prec)
     _kda_block_kernel[grid + (1, 4)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks, **constants,
@@ -1234,7 +1240,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         intra_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
                            **gate_flags)
         # 4 warps: GDN 4 x 8192 whole prefill 3.21 ms with 4, 3.20 with 8 on an H200 (bf16)
-        register_cap = dict(maxnreg=INTRA_MAXNREG) if prec["PREC_ACC"] != "tf32x3" else {}
+        register_cap = _intra_register_cap(prec)
         _gdn_intra_kernel[grid](*intra_args, F_ws, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
                                 num_warps=4, num_stages=1, **register_cap, **intra_flags)
     # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: GDN 0.773 -> 0.739 ms, KDA
