@@ -1107,14 +1107,15 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
                      **gate_flags)
     exact_marks = torch.empty(grid[0], 4, dtype=torch.int8, device=q.device)  # every byte written
     register_cap = _intra_register_cap(prec)
+    warps = 4 if prec["PREC_ACC"] == "tf32x3" else 2  # the block and exact kernels alike
     _kda_block_kernel[grid + (1, 4)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks, **constants,
-        WHOLE_P=whole, num_warps=4 if prec["PREC_ACC"] == "tf32x3" else 2, num_stages=1, **register_cap)
+        WHOLE_P=whole, num_warps=warps, num_stages=1, **register_cap)
     _kda_exact_diag_kernel[grid + (C // SUB,)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws, G_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), exact_marks, **constants,
-        num_warps=2 if prec["PREC_ACC"] != "tf32x3" else 4, num_stages=1, **register_cap)
+        num_warps=warps, num_stages=1, **register_cap)
     # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
     _invert_kernel[grid](cu_seqlens, table, slots, N_ws, T_ws, HV=HV, C=C, HAS_SLOTS=has_slots, WHOLE=whole,
                          num_warps=2, num_stages=1)
