@@ -1,5 +1,7 @@
 """The CuTe DSL GDN and KDA prefills keep their wgmma pipelined: compiled for SM90 on the CPU (where
 nvidia-cutlass-dsl and triton's cuobjdump are installed), the SASS must not wait on every wgmma.
+KDA's triangular solve (``solve_cute``) must run its products on the tensor cores, three tf32 mma
+per product, without local memory.
 
 ptxas serialises every wgmma of a kernel (a ``WARPGROUP.DEPBAR`` after each ``HGMMA``) when one
 warpgroup's registers cannot hold its wgmma pipeline ("C7512 ... serialized due to insufficient
@@ -27,9 +29,8 @@ def _cuobjdump():
     return path
 
 
-def _wgmma_events(tmp_path, source, *argv) -> str:
-    """"G" for each HGMMA and "W" for each wait on the wgmma pipeline, in SASS order, of the
-    kernel ``source`` compiles."""
+def _sass(tmp_path, source, *argv) -> str:
+    """The SASS of the kernel ``source`` compiles for SM90 (run with ``argv``)."""
     pytest.importorskip("cutlass")
     cuobjdump = _cuobjdump()
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "cubin", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
@@ -37,7 +38,13 @@ def _wgmma_events(tmp_path, source, *argv) -> str:
                             timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
     (cubin,) = glob.glob(str(tmp_path / "*.cubin"))
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def _wgmma_events(tmp_path, source, *argv) -> str:
+    """"G" for each HGMMA and "W" for each wait on the wgmma pipeline, in SASS order, of the
+    kernel ``source`` compiles."""
+    sass = _sass(tmp_path, source, *argv)
     return "".join("G" if "HGMMA" in line else "W"
                    for line in sass.splitlines() if re.search(r"HGMMA|WARPGROUP\.DEPBAR", line))
 
@@ -55,3 +62,12 @@ def test_kda_prefill_wgmma_is_not_serialised(tmp_path):
     events = _wgmma_events(tmp_path, _COMPILE_KDA)
     issues, waits = events.count("G"), events.count("W")
     assert issues >= 32 and waits <= issues // 4, f"wgmma serialised: {events}"
+
+
+def test_kda_solve_runs_on_the_tensor_cores(tmp_path):
+    """``solve_cute``'s two doublings: 20 products of 16 x 8 x 8 tiles a warp, each three tf32 mma
+    (hi hi, hi lo, lo hi), and nothing spilled."""
+    source = "from cula_serve.kernels.delta_rule import solve_cute\nsolve_cute._compiled(32, True)\nprint('ok')\n"
+    sass = _sass(tmp_path, source)
+    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == 60
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the solve"

@@ -56,6 +56,18 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
+def block_view(t: cute.Tensor, row0, col0, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+               TRANSPOSE: cutlass.Constexpr[bool] = False) -> cute.Tensor:
+    """t[row0 : row0 + rows, col0 : col0 + cols] of a [C, C] matrix in shared memory (row0 a
+    multiple of rows, col0 of cols), or with TRANSPOSE its transpose [cols, rows] (an MMA's B
+    operand is [N, K])."""
+    block = cute.local_tile(t, (rows, cols), (row0 // rows, col0 // cols))
+    if const_expr(TRANSPOSE):
+        return transposed(block)
+    return block
+
+
+@cute.jit
 def pin(fragment: cute.Tensor):
     """Each 32-bit register of a wgmma register operand through an empty asm statement, so that its
     values are all computed here. Conversions the compiler sank between a warpgroup's wgmmas made

@@ -95,7 +95,8 @@ segments; the dispatcher passes anything else to Triton.
 
 KDA (``kda_prefill``): the per-channel gate's decays do not factor out of a product as GDN's
 scalar ones do, so KDA's intra-chunk stage stays in Triton for now (``chunk_triton.kda_chunk_operands``:
-the gate pass, the 16 x 16 block kernel with its FACTOR_SPAN guard, the inverse) and writes per
+the gate pass, the 16 x 16 block kernel with its FACTOR_SPAN guard), but for its triangular solve
+(``solve_cute.kda_solve``: 3xTF32 products on the tensor cores), and writes per
 chunk P (bf16), T = M^-1 (fp16), Qd = scale exp(G) Q / |q| and Ke = exp(G) K / |k| (bf16),
 Kd = exp(G_C - G) K / |k| (fp16) and G. ``_kda_kernel`` then runs the state chain of the state
 warpgroups above (``_state_math`` with PER_CHANNEL) on those tiles, streamed by TMA, in place of
@@ -127,14 +128,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, MmaF16BF16Op, StMatrix8x8x16bOp
 import cuda.bindings.driver as cuda
 
-from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, block_segment, block_sequence, check_index_dtypes,
-                                   checkpoints, finish_chunk, gemm, kmajor, pin, launch, launch_arguments, load_state,
-                                   make_loads, output_read, output_store, produce, row_inv_norms, store_state,
-                                   tensor_views, transposed, unsupported as unsupported_rows, zero_rows)
+from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, block_segment, block_sequence, block_view,
+                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, pin, launch,
+                                   launch_arguments, load_state, make_loads, output_read, output_store, produce,
+                                   row_inv_norms, store_state, tensor_views, transposed,
+                                   unsupported as unsupported_rows, zero_rows)
 from ..common import segments
 from ..common.affine_output import correct_segment_outputs
 from ..common.prep import Recipe
 from .chunk_triton import kda_chunk_operands
+from .solve_cute import kda_solve
 from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid
 
 BLOCK = 16  # rows of an mma.sync tile in the solve, and of the diagonal blocks its first doubling makes
@@ -252,35 +255,23 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, ctid: Int32):
     corner = BLOCK * warp_id
     # 16-row blocks: R = corner + 8 .. + 15, C = corner .. + 7, as rows 8 .. 15 of a 16-row
     # product whose rows 0 .. 7 multiply T's zero block above T_RR
-    _chain(_view(sT, corner, corner + 8, BLOCK, 8), _view(sA, corner + 8, corner, 8, 8, True),
-           _view(sT, corner, corner, 8, 8, True), sT, corner, corner, lane, 8)
+    _chain(block_view(sT, corner, corner + 8, BLOCK, 8), block_view(sA, corner + 8, corner, 8, 8, True),
+           block_view(sT, corner, corner, 8, 8, True), sT, corner, corner, lane, 8)
     # 32-row blocks: R = 32 h + 16 .. + 31, C = 32 h .. + 15, columns n0 .. n0 + 7 of T_RC by warp 2 h + n0 / 8
     h = warp_id // 2
     n0 = 8 * (warp_id % 2)
     pair_corner = 2 * BLOCK * h
     cute.arch.barrier(barrier_id=PAIR + h, number_of_threads=64)
-    _chain(_view(sT, pair_corner + BLOCK, pair_corner + BLOCK, BLOCK, BLOCK),
-           _view(sA, pair_corner + BLOCK, pair_corner, BLOCK, BLOCK, True),
-           _view(sT, pair_corner, pair_corner + n0, BLOCK, 8, True), sT, pair_corner + BLOCK, pair_corner + n0,
+    _chain(block_view(sT, pair_corner + BLOCK, pair_corner + BLOCK, BLOCK, BLOCK),
+           block_view(sA, pair_corner + BLOCK, pair_corner, BLOCK, BLOCK, True),
+           block_view(sT, pair_corner, pair_corner + n0, BLOCK, 8, True), sT, pair_corner + BLOCK, pair_corner + n0,
            lane)
     cute.arch.barrier(barrier_id=AUX, number_of_threads=128)
     # rows 32 .. 63 from rows 0 .. 31: rows 32 + 16 y .. + 15, columns n1 .. n1 + 15 by warp 2 y + n1 / 16
     y = warp_id // 2
     n1 = BLOCK * (warp_id % 2)
-    _chain(_view(sT, C // 2 + BLOCK * y, C // 2, BLOCK, C // 2), _view(sA, C // 2, 0, C // 2, C // 2, True),
-           _view(sT, 0, n1, C // 2, BLOCK, True), sT, C // 2 + BLOCK * y, n1, lane)
-
-
-@cute.jit
-def _view(t: cute.Tensor, row0, col0, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
-          TRANSPOSE: cutlass.Constexpr[bool] = False) -> cute.Tensor:
-    """t[row0 : row0 + rows, col0 : col0 + cols] of an fp16 [C, C] matrix in shared memory (row0
-    a multiple of rows, col0 of cols), or with TRANSPOSE its transpose [cols, rows] (an MMA's B
-    operand is [N, K])."""
-    block = cute.local_tile(t, (rows, cols), (row0 // rows, col0 // cols))
-    if const_expr(TRANSPOSE):
-        return transposed(block)
-    return block
+    _chain(block_view(sT, C // 2 + BLOCK * y, C // 2, BLOCK, C // 2), block_view(sA, C // 2, 0, C // 2, C // 2, True),
+           block_view(sT, 0, n1, C // 2, BLOCK, True), sT, C // 2 + BLOCK * y, n1, lane)
 
 
 @cute.jit
@@ -1086,7 +1077,12 @@ def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
     for name, x, shape in (("g", g, (T, HV, HEAD_DIM)), ("beta", beta, (T, HV))):
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}: expected {list(shape)}, got {list(x.shape)}")
-    ops = kda_chunk_operands(recipe, q, k, g, beta, cu_seqlens=cu_seqlens, state_indices=state_indices)
+
+    def solve(N_ws, T_ws, table):  # M^-1 on the tensor cores, in place of Triton's inverse
+        kda_solve(N_ws, T_ws, table, cu_seqlens, state_indices)
+
+    ops = kda_chunk_operands(recipe, q, k, g, beta, cu_seqlens=cu_seqlens, state_indices=state_indices,
+                             solve=solve)
     tensors = (ops["Qd"], ops["Ke"], ops["Kd"], ops["P"], ops["T"], v, out, state_pool, ops["G"], beta, cu_seqlens,
                state_indices, has_initial_state, ckpt)
     scalars, constexprs = launch_arguments(recipe, ops["Qd"], ops["Ke"], v, out, cu_seqlens, state_pool,

@@ -47,7 +47,8 @@ stage 3 below).
    then).
    On Hopper KDA's prefill runs these launches alone (``kda_chunk_operands``, ``_kda_intra``),
    with Ke in bf16, P and M^-1 (fp16, out of place) as whole rows with zeros above, for the CuTe
-   DSL state pass (``chunk_cute.kda_prefill``) that replaces kernels 2 and 3.
+   DSL state pass (``chunk_cute.kda_prefill``) that replaces kernels 2 and 3; there M^-1 comes
+   from a tensor-core solve (``solve_cute.kda_solve``) instead of ``_invert_kernel``.
 2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as
    C-row products over the whole chunk in column tiles of 32, into W [T, HV, K] and U~
    [T, HV, V]. A separate launch because inside kernel 1 the products kept every v and k tile
@@ -1076,12 +1077,13 @@ def planned_segment_tokens(T: int, N: int, HV: int, K: int, V: int, num_sms: int
 
 
 def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces: tuple, gate_ws: bool,
-               whole: bool):
+               whole: bool, solve=None):
     """KDA's intra-chunk launches (kernel 1 of the module docstring): the gate pass (with
     ``gate_ws``), the block kernel, the exact diagonal blocks and the inverse. ``workspaces`` (P,
     N, M^-1's destination, G, Qd, Kd, Ke), all [T, HV, ...]; N and the destination may be one
     tensor (in place). ``whole``: P and M^-1 also get zeros above their lower blocks, so that
-    whole rows can be read."""
+    whole rows can be read. ``solve``: None for ``_invert_kernel``, or a callable
+    solve(N, destination, table) that computes M^-1 in its place (``kda_chunk_operands``)."""
     T, H, K = q.shape
     HV = beta.shape[1]
     C = CHUNK_SIZE
@@ -1116,12 +1118,15 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws, G_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), exact_marks, **constants,
         num_warps=warps, num_stages=1, **register_cap)
+    if solve is not None:
+        solve(N_ws, T_ws, table)
+        return
     # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
     _invert_kernel[grid](cu_seqlens, table, slots, N_ws, T_ws, HV=HV, C=C, HAS_SLOTS=has_slots, WHOLE=whole,
                          num_warps=2, num_stages=1)
 
 
-def kda_chunk_operands(recipe: Recipe, q, k, g, beta, *, cu_seqlens, state_indices) -> dict:
+def kda_chunk_operands(recipe: Recipe, q, k, g, beta, *, cu_seqlens, state_indices, solve=None) -> dict:
     """KDA's intra-chunk stage for a state pass on the tensor cores (``chunk_cute.kda_prefill``):
     the launches of ``_kda_intra`` for bf16 q, k (arguments as ``delta_rule_prefill``'s), their
     per-chunk operands returned as [T, HV, ...] tensors, rows packed as the tokens:
@@ -1135,7 +1140,11 @@ def kda_chunk_operands(recipe: Recipe, q, k, g, beta, *, cu_seqlens, state_indic
 
     Each chunk's rows t < L only: a chunk's rows past its sequence's end are the next sequence's
     (or never written, for padding sequences). Ke and Kd enter products with the bf16 state (Z =
-    S^T Ke^T) and the fp16 parts of U (the update); T is fp16 as the CuTe DSL GDN kernel's is."""
+    S^T Ke^T) and the fp16 parts of U (the update); T is fp16 as the CuTe DSL GDN kernel's is.
+
+    ``solve``: None for Triton's inverse (``_invert_kernel``), or solve(N, T, table) writing T's rows
+    from N = M - I (float32 [T, HV, C], strictly lower; nothing on or above the diagonal is
+    written) and the chunk table (``varlen.chunk_indices``): ``solve_cute.kda_solve`` on Hopper."""
     if q.dtype != torch.bfloat16:
         raise ValueError(f"q: kda_chunk_operands takes bf16 inputs, got {q.dtype}")
     T, _, K = q.shape
@@ -1150,7 +1159,7 @@ def kda_chunk_operands(recipe: Recipe, q, k, g, beta, *, cu_seqlens, state_indic
     N_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
     table = chunk_indices(cu_seqlens, T, C)
     _kda_intra(recipe, q, k, g, beta, cu_seqlens, table, state_indices,
-               (out["P"], N_ws, out["T"], out["G"], out["Qd"], out["Kd"], out["Ke"]), True, True)
+               (out["P"], N_ws, out["T"], out["G"], out["Qd"], out["Kd"], out["Ke"]), True, True, solve)
     return out
 
 

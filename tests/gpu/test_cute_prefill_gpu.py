@@ -5,7 +5,8 @@ padding row, permuted NaN-poisoned slots and has_initial_state mixes, with and w
 (GDN, KDA: raw projections with the fused gate and beta sigmoid, or prepared gates and normalised
 q, k); both pool dtypes; a sequence of several thousand tokens; many short and empty sequences;
 checkpoints; grouped value heads; no pool and dense initial states; a capture in a CUDA graph
-replayed with new inputs; which calls automatic dispatch gives them. Lightning also: strided
+replayed with new inputs; which calls automatic dispatch gives them. KDA also: its triangular solve
+on the tensor cores alone, against float64. Lightning also: strided
 views of a fused projection, a packed batch past 2^31 elements. GDN also: in-card segments,
 forced short and by the automatic rule, with and without a pool, under CUDA-graph replay, and
 bitwise the same from call to call.
@@ -335,6 +336,55 @@ def test_automatic_dispatch(monkeypatch):
     with pytest.raises(ValueError, match="bf16"):
         cula_lightning(**fp32, backend="cute")
     assert torch.isnan(fp32["state_pool"]).all()
+
+
+@pytest.mark.parametrize("keys", ["random", "correlated"])
+def test_kda_solve_against_float64(keys):
+    """KDA's triangular solve on the tensor cores (``solve_cute.kda_solve``): each live chunk's
+    rows t < L of (I + N)^-1 in fp16 against float64, from N = M - I as KDA's block kernels leave
+    it (strictly lower; NaN on and above the diagonal and in rows past a sequence, which must not
+    be read). Lengths 1, 63, 64, 65, 300; a padding sequence's rows stay NaN. Keys drawn around one
+    direction (``correlated``) with beta near 1: the case where M^-1's accuracy matters most
+    (``chunk_triton._mm``)."""
+    from cula_serve.kernels.common.varlen import chunk_indices
+    from cula_serve.kernels.delta_rule.solve_cute import kda_solve
+
+    HV, K, C = 4, 128, 64
+    lens, slots = [1, 63, 17, 64, 65, 300], [2, 0, -1, 5, 1, 3]
+    gen = torch.Generator(device=DEVICE).manual_seed(31)
+    T = sum(lens)
+    k = torch.randn(T, HV, K, generator=gen, device=DEVICE, dtype=torch.float64)
+    if keys == "correlated":
+        k = torch.randn(HV, K, generator=gen, device=DEVICE, dtype=torch.float64) + 0.1 * k
+    k = k / k.norm(dim=-1, keepdim=True)
+    beta = torch.sigmoid((6.0 if keys == "correlated" else 0.0) + torch.randn(T, HV, generator=gen, device=DEVICE,
+                                                                              dtype=torch.float64))
+    g = -0.05 * torch.rand(T, HV, generator=gen, device=DEVICE, dtype=torch.float64)
+    N_ws = torch.full((T, HV, C), float("nan"), device=DEVICE)
+    expected = {}
+    bos = 0
+    for length, slot in zip(lens, slots):
+        for t0 in range(bos, bos + length, C):
+            L = min(bos + length - t0, C)
+            G = g[t0:t0 + L].cumsum(0)  # [L, HV]
+            kc = k[t0:t0 + L].transpose(0, 1)  # [HV, L, K]
+            A = (kc @ kc.transpose(1, 2)) * (G.T[:, :, None] - G.T[:, None, :]).clamp(max=0).exp()
+            N = torch.tril(beta[t0:t0 + L].T[:, :, None] * A, -1)  # [HV, L, L]
+            N_ws[t0:t0 + L, :, :L] = torch.where(torch.tril(torch.ones(L, L, dtype=torch.bool, device=DEVICE), -1),
+                                                 N, float("nan")).transpose(0, 1).float()
+            if slot >= 0:
+                inverse = torch.linalg.inv(torch.eye(L, dtype=torch.float64, device=DEVICE) + N.float().double())
+                expected[t0] = (L, torch.nn.functional.pad(inverse, (0, C - L)).transpose(0, 1))
+        bos += length
+    T_ws = torch.full((T, HV, C), float("nan"), dtype=torch.float16, device=DEVICE)
+    cu_seqlens = cu(lens)
+    kda_solve(N_ws, T_ws, chunk_indices(cu_seqlens, T, C), cu_seqlens,
+              torch.tensor(slots, dtype=torch.int32, device=DEVICE))
+    written = torch.zeros(T, dtype=torch.bool, device=DEVICE)
+    for t0, (L, inverse) in expected.items():
+        assert_close(T_ws[t0:t0 + L], inverse, 1e-3, f"M^-1 of the chunk at token {t0}")
+        written[t0:t0 + L] = True
+    assert torch.isnan(T_ws[~written].float()).all(), "rows of the padding sequence were written"
 
 
 def test_rows_past_2_31_elements():
