@@ -317,7 +317,7 @@ _PREFILL_DOC = """
         **kwargs: forwarded to the backend (the torch backend takes ``algorithm`` and ``compute_dtype``;
             the triton backend ``segment_tokens``: None cuts long sequences into segments run in
             parallel where the shapes would leave SMs idle, 0 never, a multiple of 64 forces that
-            length; see ``kernels/common/segments.py``; the cute backend takes it for GDN).
+            length; see ``kernels/common/segments.py``; the cute backend takes it for GDN and KDA).
             ``map_columns=K`` (context parallelism, see ``cula_serve.dist.cp``): the state, the
             pool / initial_state and ``out`` get K more columns than v, whose values are zero;
             started from the identity they carry the affine map of the segment.

@@ -1,6 +1,6 @@
 """Sources for a fresh process that compiles a CuTe DSL prefill for SM90 on the CPU (the DSL reads
 its target at import): a model-shaped call's dtypes and compile-time arguments, then ``launch``.
-GDN_PREFILL needs SEGMENTED set before it runs."""
+Both need SEGMENTED set before they run."""
 
 GDN_PREFILL = """
 import torch
@@ -25,10 +25,11 @@ from cula_serve.kernels.delta_rule import chunk_cute
 
 f32, f16, bf16, i32 = torch.float32, torch.float16, torch.bfloat16, torch.int32
 HV, D = 32, 128
-# Qd, Ke, Kd, P, T, v, out, pool, G, beta, cu_seqlens, state_indices, has_initial_state, checkpoints
-dtypes = (bf16, bf16, f16, bf16, f16, bf16, bf16, f32, f32, f32, i32, i32, torch.bool, i32)
+# Qd, Ke, Kd, P, T, v, out, pool, G, beta, cu_seqlens, state_indices, has_initial_state, checkpoints,
+# transitions, q_carried
+dtypes = (bf16, bf16, f16, bf16, f16, bf16, bf16, f32, f32, f32, i32, i32, torch.bool, i32, f32, bf16)
 constexprs = (("STRIDES", (HV * D, D, HV * D, D, HV * D, D, HV * D, D, HV * D * D, D * D)), ("HV", HV),
               ("HAS_SLOTS", True), ("HAS_POOL", True), ("HAS_INIT_FLAGS", True), ("HAS_CKPT", False),
-              ("BETA_STRIDES", (HV, 1)), ("BETA_LOGITS", True))
-launch = cute_prefill._compiled(chunk_cute._kda_launch, chunk_cute._KDA_POINTERS, dtypes, constexprs, 0)
+              ("BETA_STRIDES", (HV, 1)), ("BETA_LOGITS", True), ("SEGMENTED", SEGMENTED))
+launch = cute_prefill._compiled(chunk_cute._kda_launch, chunk_cute._KDA_POINTERS, dtypes, constexprs, 1)
 """

@@ -17,8 +17,9 @@ import pytest
 
 from cute_sm90 import GDN_PREFILL, KDA_PREFILL
 
-_COMPILE = "import sys\nSEGMENTED = sys.argv[1] == '1'\n" + GDN_PREFILL + "print('ok')\n"
-_COMPILE_KDA = KDA_PREFILL + "print('ok')\n"
+_SEGMENTED = "import sys\nSEGMENTED = sys.argv[1] == '1'\n"
+_COMPILE = _SEGMENTED + GDN_PREFILL + "print('ok')\n"
+_COMPILE_KDA = _SEGMENTED + KDA_PREFILL + "print('ok')\n"
 
 
 def _cuobjdump():
@@ -57,9 +58,10 @@ def test_gdn_prefill_wgmma_is_not_serialised(tmp_path, segmented):
     assert issues >= 48 and waits <= issues // 4, f"wgmma serialised: {events}"
 
 
-def test_kda_prefill_wgmma_is_not_serialised(tmp_path):
+@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented"])
+def test_kda_prefill_wgmma_is_not_serialised(tmp_path, segmented):
     """KDA's state pass (``chunk_cute._kda_kernel``): the state warpgroups' 32 wgmma a chunk."""
-    events = _wgmma_events(tmp_path, _COMPILE_KDA)
+    events = _wgmma_events(tmp_path, _COMPILE_KDA, "1" if segmented else "0")
     issues, waits = events.count("G"), events.count("W")
     assert issues >= 32 and waits <= issues // 4, f"wgmma serialised: {events}"
 

@@ -124,17 +124,18 @@ def test_cute_gives_delta_rule_decode_to_triton():
 def test_cute_gives_few_cta_prefills_to_triton(monkeypatch):
     """Prefill whose CTAs (sequences x value heads) would fill few of an H200's 132 SMs goes to
     Triton's segments where ours cannot segment: Lightning below 0.4 of them, KDA below 0.1 (its
-    Triton prefill shares our intra-chunk kernels); GDN segments itself."""
+    Triton prefill shares our intra-chunk kernels) with checkpoints (ours segment without); GDN and
+    KDA segment themselves."""
     from cula_serve.kernels.backends import cute_backend
     from cula_serve.kernels.common import segments
     monkeypatch.setattr(segments, "sm_count", lambda device: 132)
     # the kernels' head dim, from a module that needs nvidia-cutlass-dsl (absent in CI)
     monkeypatch.setattr(cute_backend, "chunk_cute", types.SimpleNamespace(HEAD_DIM=128), raising=False)
     tensors = (torch.empty(0),)
-    defers = lambda mode, HV, T=8192, N=1: cute_backend.defers(  # noqa: E731
-        "prefill", mode=mode, N=N, T=T, HV=HV, tensors=tensors)
-    assert defers("kda", 8) and defers("kda", 8, T=32768)
-    assert defers("kda", 16) is None and defers("kda", 32, T=32768) is None
+    defers = lambda mode, HV, T=8192, N=1, checkpoints=False: cute_backend.defers(  # noqa: E731
+        "prefill", mode=mode, N=N, T=T, HV=HV, tensors=tensors, checkpoints=checkpoints)
+    assert defers("kda", 8) is None and defers("kda", 8, T=32768) is None
+    assert defers("kda", 8, checkpoints=True) and defers("kda", 16, checkpoints=True) is None
     assert defers("lightning", 16) and defers("lightning", 64) is None
     assert defers("gdn", 32) is None and defers("kda", 32, T=512, N=4) is None
 

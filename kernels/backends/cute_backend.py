@@ -5,14 +5,16 @@
              kernels/delta_rule/recurrent_cute.py (gdn, kda and lightning: one kernel)
     buffer / slots commit
              the Triton backend's state copy (a plain copy of one state per sequence)
-    prefill  kernels/delta_rule/chunk_cute.py (GDN fused, long sequences in segments; KDA's state
-             pass after the Triton intra-chunk kernels) and kernels/lightning/chunk_cute.py
+    prefill  kernels/delta_rule/chunk_cute.py (GDN fused; KDA's state pass after the Triton
+             intra-chunk kernels and kernels/delta_rule/solve_cute.py; long sequences of both in
+             segments) and kernels/lightning/chunk_cute.py
              (Lightning), bf16 rows, K = V = 128; dispatch passes every other shape to the Triton
              backend (``call_error``), and batches that Triton runs faster (``defers``)
 Shapes, dtypes, pool semantics and the three MTP protocols are those of the torch backend, the
 reference. Nothing synchronises with the host or compiles after the first call of a shape, so
 decode, verify and commit can be captured in CUDA graphs (warm up first: ``cula_serve.warmup``).
-The GDN prefill takes one backend-specific keyword, ``segment_tokens`` (as the triton backend's).
+The GDN and KDA prefills take one backend-specific keyword, ``segment_tokens`` (as the triton
+backend's).
 """
 from __future__ import annotations
 
@@ -54,11 +56,11 @@ def head_dims_error(K: int, V: int) -> str | None:
 
 def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple = (), **_) -> str | None:
     """Why this backend cannot run a call that its dtypes and head dims admit (None when it can).
-    Its prefill kernels take bf16 rows, K = V = 128 (the kernels' ``unsupported``); the GDN
-    prefill takes the option ``segment_tokens``, KDA's and Lightning's none."""
+    Its prefill kernels take bf16 rows, K = V = 128 (the kernels' ``unsupported``); the GDN and
+    KDA prefills take the option ``segment_tokens``, Lightning's none."""
     if operation != "prefill":
         return None
-    own = ("segment_tokens",) if mode == "gdn" else ()
+    own = ("segment_tokens",) if mode in ("gdn", "kda") else ()
     if set(options) - set(own):
         return f"prefill options {sorted(set(options) - set(own))} are not the cute backend's for {mode}"
     if mode == "lightning":
@@ -66,17 +68,19 @@ def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple
     return delta_chunk_cute.unsupported(mode, *tensors)
 
 
-# The prefill kernels run one CTA per sequence and value head (GDN's long sequences in segments);
-# below this share of the SMs the Triton kernels' segments win where ours cannot segment (H100,
+# The prefill kernels run one CTA per sequence and value head (GDN's and KDA's long sequences in
+# segments); below this share of the SMs the Triton kernels' segments win where ours cannot segment (H100,
 # device time per token-head: Lightning 1 x 8192 tokens, 48 heads 0.948 against Triton's 0.884,
 # 64 heads 0.733 against 0.795; GDN unsegmented at 32 heads, 1 x 8192 tokens 5.13 against 4.95,
 # the bench, eager: 1 x 32768 4.02 against 3.40).
 PREFILL_MIN_SM_SHARE = 0.4
 # KDA's Triton prefill runs the same intra-chunk kernels as ours, so only the state passes differ:
-# ours wins from 16 CTAs (H200, 2026-11-27, CUDA-graph replay, ns per token-head, ours against
-# Triton's segments, strong fused gates: one sequence of 8192 tokens at 8 / 16 / 32 heads 9.75 /
-# 7.95 / 6.38 against 8.56 / 8.28 / 7.42; of 32768 tokens 9.61 / 7.35 / 6.43 against 7.86 / 7.52 /
-# 7.39; the bench's mild gates, a TP4 shard of 8 heads on 8192 tokens 6.94 against 5.72).
+# unsegmented, ours wins from 16 CTAs (H200, 2026-11-27, CUDA-graph replay, ns per token-head,
+# ours against Triton's segments, strong fused gates: one sequence of 8192 tokens at 8 / 16 / 32
+# heads 9.75 / 7.95 / 6.38 against 8.56 / 8.28 / 7.42; of 32768 tokens 9.61 / 7.35 / 6.43 against
+# 7.86 / 7.52 / 7.39). In segments ours wins there too (a TP4 shard of 8 heads on 8192 tokens 3.49
+# against 5.38, raw gates 4.27 against 6.21; segments of 1024): this share applies with checkpoints,
+# which ours do not write in segments.
 KDA_PREFILL_MIN_SM_SHARE = 0.1
 
 
@@ -101,9 +105,9 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
 
     Prefill where the CuTe DSL kernel's CTAs (one per sequence and value head) would fill less
     than ``PREFILL_MIN_SM_SHARE`` of the SMs (KDA: ``KDA_PREFILL_MIN_SM_SHARE``), the Triton kernel
-    cuts the batch into segments and ours does not (Lightning and KDA never; GDN with checkpoints or where
-    ``segments.one_pass_segment_tokens`` finds it not worth it): a TP4 shard's 16 Lightning heads on one 8192-token sequence, 2.90
-    against 1.15 ns per token-head on an H100."""
+    cuts the batch into segments and ours does not (Lightning never; GDN and KDA with checkpoints
+    or where ``segments.one_pass_segment_tokens`` finds it not worth it): a TP4 shard's 16
+    Lightning heads on one 8192-token sequence, 2.90 against 1.15 ns per token-head on an H100."""
     lightning_decode = mode == "lightning" and N * HV >= 2048 and state_dtype != torch.float32
     if operation == "decode" and not lightning_decode:
         return f"{mode} decode of {N} x {HV} heads: the triton kernel is as fast or faster"
@@ -118,7 +122,7 @@ def defers(operation: str, *, mode: str, N: int, T: int, HV: int, tensors: tuple
             triton_segments, ours = lightning_segments(T, N, HV, D, device), 0
         else:
             triton_segments = delta_segments(T, N, HV, D, D, sms)
-            ours = one_pass_segment_tokens(T, N, HV, sms, checkpoints=checkpoints) if mode == "gdn" else 0
+            ours = one_pass_segment_tokens(T, N, HV, sms, checkpoints=checkpoints)
         share = KDA_PREFILL_MIN_SM_SHARE if mode == "kda" else PREFILL_MIN_SM_SHARE
         if N * HV < share * sms and triton_segments and not ours:
             return (f"prefill of {N} sequences x {HV} heads fills few SMs: the triton kernel spreads it "
@@ -134,7 +138,7 @@ def _no_options(operation: str, kwargs: dict):
 def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
             checkpoint_every=None, checkpoint_indices=None, **kwargs):
     """Chunked prefill of a packed varlen batch (GDN, KDA and Lightning); arguments as for the
-    torch backend's ``prefill``, plus ``segment_tokens`` for GDN (``segments.one_pass_segment_tokens``).
+    torch backend's ``prefill``, plus ``segment_tokens`` for GDN and KDA (``segments.one_pass_segment_tokens``).
     Raises ValueError for calls it cannot run (``call_error``)."""
     common = dict(cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices,
                   has_initial_state=has_initial_state, out=out, checkpoint_every=checkpoint_every,
@@ -142,12 +146,10 @@ def prefill(recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, 
     if recipe.mode == "lightning":
         _no_options("prefill", kwargs)
         return chunk_cute.lightning_prefill(recipe, q, k, v, g, beta, **common)
-    if recipe.mode == "kda":
-        _no_options("prefill", kwargs)
-        return delta_chunk_cute.kda_prefill(recipe, q, k, v, g, beta, **common)
     segment_tokens = kwargs.pop("segment_tokens", None)
     _no_options("prefill", kwargs)
-    return delta_chunk_cute.gdn_prefill(recipe, q, k, v, g, beta, segment_tokens=segment_tokens, **common)
+    run = delta_chunk_cute.kda_prefill if recipe.mode == "kda" else delta_chunk_cute.gdn_prefill
+    return run(recipe, q, k, v, g, beta, segment_tokens=segment_tokens, **common)
 
 
 def decode(recipe, q, k, v, g, beta, *, state_pool, state_indices, out, **kwargs):

@@ -30,11 +30,12 @@ The work of the state pass roughly doubles for the delta rule (its transitions c
 columns) and grows by a quarter for Lightning (one product of four); it pays where the
 unsegmented pass would leave SMs idle, which ``segment_tokens`` decides from shapes alone.
 
-The CuTe DSL GDN prefill (``kernels/delta_rule/chunk_cute.py``) needs no third launch: its one
-state pass computes every segment's transition and outputs together, from zeros (value rows) and
-the identity (map rows, whose outputs are the carried queries q~); composition then also writes
-the final states (``final_pool``) and ``affine_output.correct_segment_outputs`` adds q~ S to the
-outputs of the segments that continue a sequence. ``one_pass_segment_tokens`` is its rule.
+The CuTe DSL GDN and KDA prefills (``kernels/delta_rule/chunk_cute.py``) need no third launch:
+their one state pass computes every segment's transition and outputs together, from zeros (value
+rows) and the identity (map rows, whose outputs are the carried queries q~); composition then
+also writes the final states (``final_pool``) and ``affine_output.correct_segment_outputs`` adds
+q~ S to the outputs of the segments that continue a sequence. ``one_pass_segment_tokens`` is
+their rule.
 
 Segments are ``segment_tokens`` long (a multiple of the chunk size, so chunk boundaries and
 checkpoints fall where they fall without segments), the last one of a sequence shorter; an empty
@@ -107,7 +108,7 @@ def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_s
     return tokens if long_enough else 0
 
 
-# The one-pass scheme (the CuTe DSL GDN prefill, module docstring) cuts a batch only where its
+# The one-pass scheme (the CuTe DSL GDN and KDA prefills, module docstring) cuts a batch only where its
 # longest CTA gets this many tokens shorter: 32 chunks, about 260 us of an H100, against the host
 # work of the two more launches (H100, eager, 32 heads: 1 x 2048 in two segments 0.686 ms against
 # 0.272 unsegmented; a TP4 shard of 8 heads, 1 x 8192 in eight, 0.503 against 0.97)
@@ -128,8 +129,8 @@ def one_pass_segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, num_
     if requested is not None:
         tokens = requested_segment_tokens(requested)
         if tokens and checkpoints:
-            raise ValueError(f"segment_tokens={requested}: one-pass segments (the CuTe DSL GDN prefill) write no "
-                             "checkpoints (give 0 or None, or the triton backend)")
+            raise ValueError(f"segment_tokens={requested}: one-pass segments (the CuTe DSL GDN and KDA prefills) "
+                             "write no checkpoints (give 0 or None, or the triton backend)")
         return tokens
     if checkpoints or not num_sms or not num_seqs:
         return 0
@@ -317,13 +318,14 @@ def compose_initial_states(cu_seqlens, state_indices, transitions, initial, *, t
     at the non-first segments of live sequences. S = ``num_segment_ids``.
     final_pool: None, or the [P, HV, V, K] pool (float32 / bf16, K-last) that gets each segmented
     sequence's final state, composed through its last segment's transition as well (for callers
-    that compute every segment's transition and no second state pass: the CuTe DSL GDN prefill).
+    that compute every segment's transition and no second state pass: the CuTe DSL GDN and KDA prefills).
     """
     N = cu_seqlens.shape[0] - 1
     HV, K = initial.shape[1], initial.shape[3]
     if decay is not None:
         if final_pool is not None:
-            raise ValueError("final_pool: only the delta rule's composition (the CuTe DSL GDN prefill) writes it")
+            raise ValueError("final_pool: only the delta rule's composition (the CuTe DSL GDN and KDA prefills) "
+                             "writes it")
         BV = min(V, 16)
         _scalar_compose_kernel[(N, HV, triton.cdiv(V, BV))](
             cu_seqlens, state_indices if state_indices is not None else cu_seqlens, transitions, initial, decay,

@@ -112,9 +112,14 @@ selected to zero rather than multiplied by beta's zeros, and Kd's rows are zeroe
 NaN in the update). H200, bench_serving, CUDA-graph replay, ns per token-head (Triton's whole
 prefill / this): 4 x 8192 3.197 / 2.294, 8 x 1024 3.342 / 2.471, 1 x 2048 4.448 / 3.504,
 unsegmented 1 x 32768 3.976 (Triton in segments) / 3.062; a TP4 shard of 8 heads on one 8192-token
-sequence 5.564 (segments) / 6.799, which dispatch gives to Triton (``cute_backend.defers``).
+sequence 5.564 (segments) / 6.799, which dispatch gave to Triton.
 Relative error 3.3e-3 to 3.4e-3 against the torch reference (Triton 3.0e-3, FLA 4.8e-3).
-No segments and no fused intra-chunk stage yet: see BENCHMARKS.md.
+Long sequences run in segments as GDN's do (``_state_math`` is the same chain; the intra-chunk
+kernels do not care where a segment starts, chunk boundaries do not move): a segment's value rows
+and K map rows on two CTAs, then ``_join_segments``. H200, graph replay, ns per token-head, whole
+/ in segments (Triton's prefill): a TP4 shard of 8 heads on one 8192-token sequence 6.503 /
+3.493 (5.382) in segments of 1024, 1 x 32768 at 32 heads 2.714 / 2.382 (3.766) in two.
+No fused intra-chunk stage yet: see BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -771,6 +776,22 @@ def _gdn_kernel(
 
 
 @cute.jit
+def _segment_views(transitions_ptr: cute.Pointer, carried_ptr: cute.Pointer, T: Int32, N: Int32,
+                   segment_tokens: Int32, HV: cutlass.Constexpr[int], SEGMENTED: cutlass.Constexpr[bool]):
+    """(transitions [ids, HV, 256, 128] float32, q_carried [T, 128, HV] bf16, ids): the segmented
+    launches' outputs, ids the CTAs' first grid dimension over HV (sequences, or at most
+    T // segment_tokens + N segments)."""
+    D = HEAD_DIM
+    ids = N
+    if const_expr(SEGMENTED):
+        ids = T // segment_tokens + N
+    transitions = cute.make_tensor(transitions_ptr, cute.make_layout((ids, HV, 2 * D, D),
+                                                                     stride=(HV * 2 * D * D, 2 * D * D, D, 1)))
+    q_carried = cute.make_tensor(carried_ptr, cute.make_layout((T, D, HV), stride=(HV * D, 1, D)))
+    return transitions, q_carried, ids
+
+
+@cute.jit
 def _launch(
     q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, o_ptr: cute.Pointer, pool_ptr: cute.Pointer,
     g_ptr: cute.Pointer, beta_ptr: cute.Pointer, A_log_ptr: cute.Pointer, dt_bias_ptr: cute.Pointer,
@@ -797,13 +818,7 @@ def _launch(
     beta = cute.make_tensor(beta_ptr, cute.make_layout((T, HV), stride=(b_t, b_h)))
     A_log = cute.make_tensor(A_log_ptr, cute.make_layout(HV))
     dt_bias = cute.make_tensor(dt_bias_ptr, cute.make_layout(HV))
-    D = HEAD_DIM
-    ids = N  # segment ids: sequences, or at most T // segment_tokens + N segments
-    if const_expr(SEGMENTED):
-        ids = T // segment_tokens + N
-    transitions = cute.make_tensor(transitions_ptr, cute.make_layout((ids, HV, 2 * D, D),
-                                                                     stride=(HV * 2 * D * D, 2 * D * D, D, 1)))
-    q_carried = cute.make_tensor(carried_ptr, cute.make_layout((T, D, HV), stride=(HV * D, 1, D)))
+    transitions, q_carried, ids = _segment_views(transitions_ptr, carried_ptr, T, N, segment_tokens, HV, SEGMENTED)
     _gdn_kernel(
         tma_q, q_tiles, tma_k, k_tiles, tma_v, v_tiles, o, tma_o, o_tiles, pool, g, beta, A_log, dt_bias, cu_seqlens,
         state_indices, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, scale,
@@ -886,18 +901,29 @@ def _kda_kernel(
     out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor, gate: cute.Tensor,
     beta: cute.Tensor, cu_seqlens: cute.Tensor, state_indices: cute.Tensor, has_initial_state: cute.Tensor,
     checkpoint_indices: cute.Tensor, checkpoint_every: Int32, num_checkpoints: Int32,
+    transitions: cute.Tensor, q_carried: cute.Tensor, N: Int32, segment_tokens: Int32,
     HV: cutlass.Constexpr[int], BETA_LOGITS: cutlass.Constexpr[bool], HAS_SLOTS: cutlass.Constexpr[bool],
     HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
+    SEGMENTED: cutlass.Constexpr[bool],
 ):
     """KDA, one (sequence, value head), blockIdx.x = sequence * HV + value head: warp 0 streams
     each chunk's Qd, Ke, Kd, P and T tiles (``loads``) and v (``v_loads``) by TMA, warps 1 .. 3
     prepare its vectors (``_kda_prepare``), warpgroups 1 and 2 run the state chain
-    (``_state_math`` with PER_CHANNEL)."""
+    (``_state_math`` with PER_CHANNEL). SEGMENTED: one (segment, value head, row group), as
+    ``_gdn_kernel``'s."""
     tidx = cute.arch.thread_idx()[0]
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     wg = warp // 4
-    n, hv, _, bos, length, num_chunks, slot = block_sequence(cu_seqlens, state_indices, HV, 1, HAS_SLOTS)
-    live = slot >= 0
+    segment = ()
+    if const_expr(SEGMENTED):
+        n, hv, _, bos, length, num_chunks, slot, sid, j_segment, last = block_segment(
+            cu_seqlens, state_indices, N, segment_tokens, HV, 1, HAS_SLOTS)
+        maps = Int32(cute.arch.block_idx()[1])
+        live = (slot >= 0) & ((maps == 0) | (j_segment > 0))
+        segment = (transitions, q_carried, sid, j_segment, last, maps)
+    else:
+        n, hv, _, bos, length, num_chunks, slot = block_sequence(cu_seqlens, state_indices, HV, 1, HAS_SLOTS)
+        live = slot >= 0
 
     tile_layout = kmajor(C, HEAD_DIM, KDA_STAGES)
     v_layout = kmajor(C, HALF, 2 * V_STAGES)
@@ -943,8 +969,8 @@ def _kda_kernel(
         _set_registers(KDA_STATE_REGS, KDA_THREADS)
         _state_math(storage, (sQd, sKe, sKd, sP, sT), sV, loads, v_loads, ready, wg - 1, tidx - 128 * wg, out,
                     tma_o, o_tiles, pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints,
-                    n, hv, bos, length, num_chunks, slot, live, (), out_layout, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
-                    False, True)
+                    n, hv, bos, length, num_chunks, slot, live, segment, out_layout, HAS_POOL, HAS_INIT_FLAGS,
+                    HAS_CKPT, SEGMENTED, True)
 
 
 @cute.jit
@@ -952,15 +978,17 @@ def _kda_launch(
     qd_ptr: cute.Pointer, ke_ptr: cute.Pointer, kd_ptr: cute.Pointer, p_ptr: cute.Pointer, t_ptr: cute.Pointer,
     v_ptr: cute.Pointer, o_ptr: cute.Pointer, pool_ptr: cute.Pointer, gate_ptr: cute.Pointer, beta_ptr: cute.Pointer,
     cu_ptr: cute.Pointer, indices_ptr: cute.Pointer, init_ptr: cute.Pointer, ckpt_ptr: cute.Pointer,
+    transitions_ptr: cute.Pointer, carried_ptr: cute.Pointer,
     T: Int32, N: Int32, P: Int32, num_checkpoints: Int32, checkpoint_every: Int32, checkpoint_stride: Int32,
-    scale: Float32, stream: cuda.CUstream,
+    scale: Float32, segment_tokens: Int32, stream: cuda.CUstream,
     STRIDES: cutlass.Constexpr[tuple], BETA_STRIDES: cutlass.Constexpr[tuple], HV: cutlass.Constexpr[int],
     BETA_LOGITS: cutlass.Constexpr[bool], HAS_SLOTS: cutlass.Constexpr[bool], HAS_POOL: cutlass.Constexpr[bool],
-    HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool],
+    HAS_INIT_FLAGS: cutlass.Constexpr[bool], HAS_CKPT: cutlass.Constexpr[bool], SEGMENTED: cutlass.Constexpr[bool],
 ):
     """Views of the raw pointers, the TMA descriptors and the launch of ``_kda_kernel`` (N x HV
-    CTAs). Qd, Ke, Kd, G: contiguous [T, HV, 128]; P, T: contiguous [T, HV, C]; STRIDES as
-    ``cute_prefill.strides`` gives them for (Qd, Ke, v, out, pool). ``scale`` is in Qd and P."""
+    CTAs; SEGMENTED: segment ids x HV x 2, as ``_launch``'s). Qd, Ke, Kd, G: contiguous [T, HV,
+    128]; P, T: contiguous [T, HV, C]; STRIDES as ``cute_prefill.strides`` gives them for (Qd, Ke,
+    v, out, pool). ``scale`` is in Qd and P. transitions and q_carried as ``_launch``'s."""
     (tma_qd, qd_tiles, tma_ke, ke_tiles, tma_v, v_tiles, o, tma_o, o_tiles, pool, cu_seqlens, state_indices,
      has_initial_state, checkpoint_indices) = tensor_views(qd_ptr, ke_ptr, v_ptr, o_ptr, pool_ptr, cu_ptr, indices_ptr,
                                                            init_ptr, ckpt_ptr, T, N, P, num_checkpoints,
@@ -976,11 +1004,13 @@ def _kda_launch(
     (tma_p, p_tiles), (tma_t, t_tiles) = products
     gate = cute.make_tensor(gate_ptr, cute.make_layout((T, HV, D), stride=(HV * D, D, 1)))
     beta = cute.make_tensor(beta_ptr, cute.make_layout((T, HV), stride=BETA_STRIDES))
+    transitions, q_carried, ids = _segment_views(transitions_ptr, carried_ptr, T, N, segment_tokens, HV, SEGMENTED)
     _kda_kernel(
         tma_qd, qd_tiles, tma_ke, ke_tiles, tma_kd, kd_tiles, tma_p, p_tiles, tma_t, t_tiles, tma_v, v_tiles,
         o, tma_o, o_tiles, pool, gate, beta, cu_seqlens, state_indices, has_initial_state, checkpoint_indices,
-        checkpoint_every, num_checkpoints, HV, BETA_LOGITS, HAS_SLOTS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
-    ).launch(grid=(N * HV, 1, 1), block=(KDA_THREADS, 1, 1), stream=stream)
+        checkpoint_every, num_checkpoints, transitions, q_carried, N, segment_tokens,
+        HV, BETA_LOGITS, HAS_SLOTS, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT, SEGMENTED,
+    ).launch(grid=(ids * HV, 2 if SEGMENTED else 1, 1), block=(KDA_THREADS, 1, 1), stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1025,11 +1055,7 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
     gate = recipe.fused_gate
     A_log = None if gate is None else gate.A_log.float().contiguous()
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.float().contiguous()
-    transitions = q_carried = None
-    if tokens:
-        num_ids = segments.num_segment_ids(T, N, tokens)
-        transitions = torch.empty(num_ids, HV, 2 * HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
-        q_carried = torch.empty(T, HV, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    transitions, q_carried = _segment_buffers(T, N, HV, tokens, q.device)
     # an absent tensor (None) is never read (its flag is off)
     tensors = (q, k, v, out, state_pool, g, beta, A_log, dt_bias, cu_seqlens, state_indices, has_initial_state,
                ckpt, transitions, q_carried)
@@ -1040,26 +1066,43 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
                    ("BETA_LOGITS", recipe.beta_logits), ("SEGMENTED", bool(tokens)))
     launch(_launch, _POINTERS, tensors, (*scalars, tokens), constexprs, q.device)
     if tokens:
-        # in-card context parallelism (kernels/common/segments.py) in one state pass: the composed
-        # initial states of the segments that continue a sequence, its final state into the pool,
-        # and their outputs' correction o0 + q~ S
-        initial = torch.empty(num_ids, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
-        segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial, tokens=tokens, V=HEAD_DIM,
-                                        final_pool=state_pool)
-        correct_segment_outputs(cu_seqlens, state_indices, q_carried, initial, out, tokens=tokens)
+        _join_segments(cu_seqlens, state_indices, transitions, q_carried, out, state_pool, tokens)
     return out
 
 
+def _segment_buffers(T: int, N: int, HV: int, tokens: int, device) -> tuple:
+    """(transitions, q_carried) of a segmented state pass (None, None without segments): every
+    segment's final value and map rows, float32 [segment ids, HV, 256, 128], and the map rows'
+    outputs, the carried queries, bf16 [T, HV, 128]."""
+    if not tokens:
+        return None, None
+    num_ids = segments.num_segment_ids(T, N, tokens)
+    return (torch.empty(num_ids, HV, 2 * HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device),
+            torch.empty(T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device))
+
+
+def _join_segments(cu_seqlens, state_indices, transitions, q_carried, out, state_pool, tokens: int):
+    """In-card context parallelism (kernels/common/segments.py) after a one-pass segmented state pass:
+    the composed initial states of the segments that continue a sequence, its final state into the
+    pool, and their outputs' correction o0 + q~ S."""
+    initial = torch.empty(transitions.shape[0], transitions.shape[1], HEAD_DIM, HEAD_DIM, dtype=torch.float32,
+                          device=transitions.device)
+    segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial, tokens=tokens, V=HEAD_DIM,
+                                    final_pool=state_pool)
+    correct_segment_outputs(cu_seqlens, state_indices, q_carried, initial, out, tokens=tokens)
+
+
 _KDA_POINTERS = ("Qd", "Ke", "Kd", "P", "T", "v", "out", "pool", "G", "beta", "cu_seqlens", "state_indices",
-                 "has_initial_state", "checkpoint_indices")
+                 "has_initial_state", "checkpoint_indices", "transitions", "q_carried")
 
 
 def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
-                checkpoint_every=None, checkpoint_indices=None):
+                checkpoint_every=None, checkpoint_indices=None, segment_tokens=None):
     """Chunked prefill of KDA over a packed varlen batch (``torch_backend.prefill`` semantics): the
     intra-chunk operands by the Triton kernels (``chunk_triton.kda_chunk_operands``: P, M^-1 and
     the decayed Q and K tiles per chunk), then the state pass on the tensor cores (``_kda_kernel``,
-    one CTA per sequence and value head; no segments).
+    one CTA per sequence and value head, or per segment as GDN's: ``segment_tokens`` as
+    ``gdn_prefill``'s).
 
     q, k: [T, H, 128] bf16; v, out: [T, HV, 128] bf16 (rows 16-byte aligned); g: [T, HV, 128]
     float32 / bf16, the log decay or with ``recipe.fused_gate`` the raw projection; beta: [T, HV]
@@ -1073,7 +1116,9 @@ def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
         raise ValueError(why)
     ckpt = checkpoints(state_pool, checkpoint_every, checkpoint_indices)
     check_index_dtypes(cu_seqlens, state_indices, has_initial_state, ckpt)
-    T, HV = q.shape[0], v.shape[1]
+    T, N, HV = q.shape[0], cu_seqlens.shape[0] - 1, v.shape[1]
+    tokens = segments.one_pass_segment_tokens(T, N, HV, segments.sm_count(q.device), checkpoints=ckpt is not None,
+                                              requested=segment_tokens)
     for name, x, shape in (("g", g, (T, HV, HEAD_DIM)), ("beta", beta, (T, HV))):
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}: expected {list(shape)}, got {list(x.shape)}")
@@ -1083,11 +1128,14 @@ def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
 
     ops = kda_chunk_operands(recipe, q, k, g, beta, cu_seqlens=cu_seqlens, state_indices=state_indices,
                              solve=solve)
+    transitions, q_carried = _segment_buffers(T, N, HV, tokens, q.device)
     tensors = (ops["Qd"], ops["Ke"], ops["Kd"], ops["P"], ops["T"], v, out, state_pool, ops["G"], beta, cu_seqlens,
-               state_indices, has_initial_state, ckpt)
+               state_indices, has_initial_state, ckpt, transitions, q_carried)
     scalars, constexprs = launch_arguments(recipe, ops["Qd"], ops["Ke"], v, out, cu_seqlens, state_pool,
                                            state_indices, has_initial_state, ckpt, checkpoint_every)
     constexprs = tuple((name, value) for name, value in constexprs if name not in ("H", "QK_L2NORM"))
-    constexprs += (("BETA_STRIDES", beta.stride()), ("BETA_LOGITS", recipe.beta_logits))
-    launch(_kda_launch, _KDA_POINTERS, tensors, scalars, constexprs, q.device)
+    constexprs += (("BETA_STRIDES", beta.stride()), ("BETA_LOGITS", recipe.beta_logits), ("SEGMENTED", bool(tokens)))
+    launch(_kda_launch, _KDA_POINTERS, tensors, (*scalars, tokens), constexprs, q.device)
+    if tokens:
+        _join_segments(cu_seqlens, state_indices, transitions, q_carried, out, state_pool, tokens)
     return out

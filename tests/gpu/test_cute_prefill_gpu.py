@@ -5,11 +5,11 @@ padding row, permuted NaN-poisoned slots and has_initial_state mixes, with and w
 (GDN, KDA: raw projections with the fused gate and beta sigmoid, or prepared gates and normalised
 q, k); both pool dtypes; a sequence of several thousand tokens; many short and empty sequences;
 checkpoints; grouped value heads; no pool and dense initial states; a capture in a CUDA graph
-replayed with new inputs; which calls automatic dispatch gives them. KDA also: its triangular solve
-on the tensor cores alone, against float64. Lightning also: strided
-views of a fused projection, a packed batch past 2^31 elements. GDN also: in-card segments,
-forced short and by the automatic rule, with and without a pool, under CUDA-graph replay, and
-bitwise the same from call to call.
+replayed with new inputs; which calls automatic dispatch gives them. GDN and KDA also: in-card
+segments, forced short and by the automatic rule, with and without a pool, under CUDA-graph
+replay; KDA's triangular solve on the tensor cores alone, against float64. Lightning also: strided
+views of a fused projection, a packed batch past 2^31 elements. GDN also: segments over many
+short sequences, and bitwise the same from call to call.
 
 Run with ``pytest -m gpu tests/gpu``; skipped where the cute backend is unavailable.
 """
@@ -38,6 +38,7 @@ if _module is None:
 CUTE = dict(backend="cute")
 MODE = "lightning"  # the tests of Lightning alone
 MODES = pytest.mark.parametrize("mode", ["lightning", "gdn", "kda"])
+DELTA = pytest.mark.parametrize("mode", ["gdn", "kda"])
 # one varlen batch: permuted slots, row 3 is padding, rows 1 and 5 start from zeros (NaN slots)
 LENS = [1, 63, 64, 17, 65, 300, 1000]
 SLOTS = [9, 2, 11, -1, 0, 5, 7]
@@ -183,15 +184,16 @@ def test_cuda_graph_prefill(mode):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32pool", "bf16pool"])
 @pytest.mark.parametrize("tokens", [64, 128])
-def test_gdn_segments(state_dtype, tokens):
-    """GDN's in-card segments forced at small lengths (``segment_tokens``): the varlen batch plus
-    an empty sequence without an initial state (its slot gets zeros), cut into segments of 64 or
+@DELTA
+def test_segments(mode, state_dtype, tokens):
+    """In-card segments forced at small lengths (``segment_tokens``): the varlen batch plus an
+    empty sequence without an initial state (its slot gets zeros), cut into segments of 64 or
     128 tokens, each segment's value rows and K map rows on their own CTAs, then composed and
-    the outputs corrected (``chunk_cute.gdn_prefill``)."""
+    the outputs corrected (``chunk_cute.gdn_prefill``, ``chunk_cute.kda_prefill``)."""
     lens, slots, has_init = LENS + [0], SLOTS + [12], HAS_INIT + [False]
-    kw = _inputs("gdn", sum(lens), seed=30)
-    pool = poisoned_pool("gdn", state_dtype, _live(slots, has_init), seed=31)
-    o, ref_o, ref_pool = prefill_and_oracle("gdn", kw, pool, dict(CUTE, segment_tokens=tokens),
+    kw = _inputs(mode, sum(lens), seed=30)
+    pool = poisoned_pool(mode, state_dtype, _live(slots, has_init), seed=31)
+    o, ref_o, ref_pool = prefill_and_oracle(mode, kw, pool, dict(CUTE, segment_tokens=tokens),
                                             **varlen_call(lens, slots, has_init))
     tol = tolerance(torch.bfloat16, state_dtype)
     assert_close(o, ref_o, tol)
@@ -200,21 +202,22 @@ def test_gdn_segments(state_dtype, tokens):
     assert not torch.isnan(pool[12]).any()
 
 
-def test_gdn_segments_automatic_long_sequence():
+@DELTA
+def test_segments_automatic_long_sequence(mode):
     """One 4500-token sequence at 32 heads: the rule cuts it (two segments, three CTAs a head);
     outputs and final state against the oracle, and the same as with segments forced off up to
     bf16 rounding."""
     from cula_serve.kernels.common.segments import one_pass_segment_tokens, sm_count
 
     T = 4500
-    assert one_pass_segment_tokens(T, 1, SHAPES["gdn"]["HV"], sm_count(torch.device(DEVICE))) > 0
-    kw = _inputs("gdn", T, seed=32)
-    pool = poisoned_pool("gdn", torch.float32, [3], seed=33)
+    assert one_pass_segment_tokens(T, 1, SHAPES[mode]["HV"], sm_count(torch.device(DEVICE))) > 0
+    kw = _inputs(mode, T, seed=32)
+    pool = poisoned_pool(mode, torch.float32, [3], seed=33)
     whole = pool.clone()
-    o, ref_o, ref_pool = _run("gdn", kw, pool, **varlen_call([T], [3], [True]))
+    o, ref_o, ref_pool = _run(mode, kw, pool, **varlen_call([T], [3], [True]))
     assert_close(o, ref_o, 5e-3)
     assert_same_writes(pool, ref_pool, 5e-3, "final state")
-    o_whole, _ = prefill_call("gdn", kw, state_pool=whole, segment_tokens=0, **varlen_call([T], [3], [True]), **CUTE)
+    o_whole, _ = prefill_call(mode, kw, state_pool=whole, segment_tokens=0, **varlen_call([T], [3], [True]), **CUTE)
     assert_close(o, o_whole.double(), 5e-3)
 
 
@@ -240,39 +243,42 @@ def test_gdn_segments_repeat_bitwise():
             assert torch.equal(o, first) and torch.equal(work[3], first_state)  # the other slots hold NaN
 
 
-def test_gdn_segments_without_pool():
+@DELTA
+def test_segments_without_pool(mode):
     """Segments without a pool (zero initial states, nothing written) and with dense states."""
     lens = [200, 1, 64]
-    kw = _inputs("gdn", sum(lens), seed=34)
-    o, ref_o, _ = prefill_and_oracle("gdn", kw, None, dict(CUTE, segment_tokens=64), cu_seqlens=cu(lens))
+    kw = _inputs(mode, sum(lens), seed=34)
+    o, ref_o, _ = prefill_and_oracle(mode, kw, None, dict(CUTE, segment_tokens=64), cu_seqlens=cu(lens))
     assert_close(o, ref_o, 5e-3)
-    s = SHAPES["gdn"]
+    s = SHAPES[mode]
     initial = torch.randn(len(lens), s["HV"], s["V"], s["K"], generator=torch.Generator(DEVICE).manual_seed(35),
                           device=DEVICE)
-    o, final = prefill_call("gdn", kw, cu_seqlens=cu(lens), initial_state=initial, output_final_state=True,
+    o, final = prefill_call(mode, kw, cu_seqlens=cu(lens), initial_state=initial, output_final_state=True,
                             segment_tokens=64, **CUTE)
-    ref_o, ref_final = prefill_call("gdn", to_float64(kw), cu_seqlens=cu(lens), initial_state=initial.double(),
+    ref_o, ref_final = prefill_call(mode, to_float64(kw), cu_seqlens=cu(lens), initial_state=initial.double(),
                                     output_final_state=True, **ORACLE)
     assert_close(o, ref_o, 5e-3)
     assert_close(final, ref_final, 5e-3, "final states")
 
 
-def test_gdn_segments_refuse_checkpoints():
+@DELTA
+def test_segments_refuse_checkpoints(mode):
     """Segments write no checkpoints: asking for both names ``segment_tokens`` and writes nothing."""
-    kw = _inputs("gdn", 256, seed=36)
-    pool = poisoned_pool("gdn", torch.float32, [], seed=37)
-    out = torch.full((256, SHAPES["gdn"]["HV"], SHAPES["gdn"]["V"]), float("nan"), dtype=torch.bfloat16,
+    kw = _inputs(mode, 256, seed=36)
+    pool = poisoned_pool(mode, torch.float32, [], seed=37)
+    out = torch.full((256, SHAPES[mode]["HV"], SHAPES[mode]["V"]), float("nan"), dtype=torch.bfloat16,
                      device=DEVICE)
     with pytest.raises(ValueError, match="segment_tokens"):
-        prefill_call("gdn", kw, state_pool=pool, out=out, checkpoint_every=64,
+        prefill_call(mode, kw, state_pool=pool, out=out, checkpoint_every=64,
                      checkpoint_indices=torch.tensor([[1, 2, 3, 4]], dtype=torch.int32, device=DEVICE),
                      segment_tokens=64, **varlen_call([256], [0], [False]), **CUTE)
     assert torch.isnan(pool).all() and torch.isnan(out).all()
 
 
-def test_gdn_segments_cuda_graph():
-    """Segmented GDN captured once and replayed with new lengths (other segment counts)."""
-    assert_graph_replay_matches_eager("gdn", dict(CUTE, segment_tokens=128), seed=38)
+@DELTA
+def test_segments_cuda_graph(mode):
+    """Segmented GDN and KDA captured once and replayed with new lengths (other segment counts)."""
+    assert_graph_replay_matches_eager(mode, dict(CUTE, segment_tokens=128), seed=38)
 
 
 def _picked(monkeypatch, run=cula_lightning, **call_args):
@@ -287,12 +293,11 @@ def _picked(monkeypatch, run=cula_lightning, **call_args):
 
 
 def test_automatic_dispatch(monkeypatch):
-    """bf16 rows at K = V = 128 run on the CuTe DSL kernels (Lightning, GDN, KDA);
-    float32 inputs, unaligned rows, other head dims, and batches whose CTAs would fill few SMs
-    where Triton cuts them into segments and the CuTe DSL kernel does not (Lightning: one long
-    sequence at 16 heads; GDN: one long sequence with checkpoints; KDA: one long sequence at a TP4
-    shard's 8 heads, which it does not cut) go to the triton backend; a
-    named cute backend refuses what it cannot run and writes nothing."""
+    """bf16 rows at K = V = 128 run on the CuTe DSL kernels (Lightning, GDN, KDA; a TP4 shard's
+    KDA in segments); float32 inputs, unaligned rows, other head dims, and batches whose CTAs
+    would fill few SMs where Triton cuts them into segments and the CuTe DSL kernel does not
+    (Lightning: one long sequence at 16 heads; GDN: one long sequence with checkpoints) go to the
+    triton backend; a named cute backend refuses what it cannot run and writes nothing."""
     s = SHAPES[MODE]
     gen = torch.Generator(device=DEVICE).manual_seed(19)
 
@@ -329,7 +334,7 @@ def test_automatic_dispatch(monkeypatch):
     assert _picked(monkeypatch, run_kda, **inputs("kda", 8192, torch.bfloat16, seed=24)) == "cute"  # 32 CTAs
     shard = random_inputs("kda", (8192,), H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, device=DEVICE,
                           generator=torch.Generator().manual_seed(25))
-    assert _picked(monkeypatch, run_kda, **shard) == "other"  # a TP4 shard, 8 CTAs: Triton's segments
+    assert _picked(monkeypatch, run_kda, **shard) == "cute"  # a TP4 shard, 8 heads: ours in segments
 
     fp32 = args(256, dtype=torch.float32)
     fp32["state_pool"].fill_(float("nan"))
