@@ -26,9 +26,11 @@ shared pipe 91% busy): the Triton backend keeps it, KDA's Hopper prefill runs th
 
 One chunk per CTA (128 threads, 72 registers, 35 KB of shared memory: six CTAs an SM); the warps of
 a pair split each doubling's first product by columns and share it through N's upper right quarter,
-which nothing else reads. H200, KDA 32 heads 4 x 8192 (profiler, ms): Triton's inverse 0.404, this
-kernel 0.256 (0.267 with each warp computing its pair's first product whole, 44 KB a CTA); the
-whole prefill 2.08 -> 1.94 ns per token-head. Its M^-1 matches Triton's IEEE one to 6.5e-7
+which nothing else reads (nor loads: it lies above the diagonal). X above its diagonal is zeroed
+only where the doublings read it; the store masks the rest. H200, KDA 32 heads 4 x 8192 (profiler,
+ms): Triton's inverse 0.404, this kernel 0.220 (0.256 with X zeroed and N loaded whole, 0.267 with
+each warp computing its pair's first product whole, 44 KB a CTA); the whole prefill 2.08 -> 1.90
+ns per token-head. Its M^-1 matches Triton's IEEE one to 6.5e-7
 (relative), and the prefill's errors against the float64 oracle are unchanged, correlated keys
 included. ncu (the first version): the L1 / shared pipe 87% busy, DRAM 30%, 12.2 cycles per
 issued instruction of a warp: bound by the shared-memory accesses of its 16 x 16 blocks, not by
@@ -139,12 +141,15 @@ def _diagonal_block(sN: cute.Tensor, sX: cute.Tensor, base: Int32, c: Int32):
 
 @cute.jit
 def _store_half_row(sX: cute.Tensor, t_ws: cute.Tensor, t0: Int32, r: Int32, hv: Int32, half: Int32):
-    """Half ``half`` of row r of M^-1 in fp16 to token t0 + r's row of ``t_ws``."""
+    """Half ``half`` of row r of M^-1 in fp16 to token t0 + r's row of ``t_ws``, zeros above the
+    diagonal (where sX holds zeros, the scratch, or nothing written)."""
     row = cute.make_rmem_tensor(cute.make_layout(C // 2), Float32)
-    cute.autovec_copy(cute.local_tile(sX[r, None], (C // 2,), (half,)), row)
+    row.fill(0.0)
+    if half * (C // 2) <= r:
+        cute.autovec_copy(cute.local_tile(sX[r, None], (C // 2,), (half,)), row)
     out = cute.make_rmem_tensor(cute.make_layout(C // 2), Float16)
     for e in cutlass.range_constexpr(C // 2):
-        out[e] = Float16(row[e])
+        out[e] = Float16(cutlass.select_(half * (C // 2) + e <= r, row[e], Float32(0.0)))
     cute.autovec_copy(out, cute.local_tile(t_ws[t0 + r, hv, None], (C // 2,), (half,)))
 
 
@@ -181,19 +186,26 @@ def _solve_kernel(n_ws: cute.Tensor, t_ws: cute.Tensor, table: cute.Tensor, cu_s
         t0 = cu_seqlens[seq] + table[chunk, 1] * C
         L = cutlass.min(cu_seqlens[seq + 1] - t0, C)
 
-        # N's rows (strictly lower; what lies on and above the diagonal was never written, and
-        # rows t >= L belong to the next sequence) and zeros for X, a half row per thread
+        # N's rows, a half row per thread (strictly lower: what lies on and above the diagonal was
+        # never written, and rows t >= L belong to the next sequence); the upper right quarter,
+        # above the diagonal, is neither read nor stored (the pairs' scratch)
         r = tid // 2
         side = tid % 2
-        row = cute.make_rmem_tensor(cute.make_layout(C // 2), Float32)
-        row.fill(0.0)
-        if r < L:
-            cute.autovec_copy(cute.local_tile(n_ws[t0 + r, hv, None], (C // 2,), (side,)), row)
-        for e in cutlass.range_constexpr(C // 2):
-            row[e] = cutlass.select_(side * (C // 2) + e < r, row[e], Float32(0.0))
-        cute.autovec_copy(row, cute.local_tile(sN[r, None], (C // 2,), (side,)))
-        row.fill(0.0)
-        cute.autovec_copy(row, cute.local_tile(sX[r, None], (C // 2,), (side,)))
+        if (side == 0) | (r >= C // 2):
+            row = cute.make_rmem_tensor(cute.make_layout(C // 2), Float32)
+            row.fill(0.0)
+            if r < L:
+                cute.autovec_copy(cute.local_tile(n_ws[t0 + r, hv, None], (C // 2,), (side,)), row)
+            for e in cutlass.range_constexpr(C // 2):
+                row[e] = cutlass.select_(side * (C // 2) + e < r, row[e], Float32(0.0))
+            cute.autovec_copy(row, cute.local_tile(sN[r, None], (C // 2,), (side,)))
+        # zeros where the doublings read X above its diagonal blocks: rows 0 .. 15 at columns
+        # 16 .. 31 and rows 32 .. 47 at columns 48 .. 63 (the rest of X above the diagonal is
+        # masked at the store)
+        if ((r < SUB) & (side == 0)) | ((r // SUB == 2) & (side == 1)):
+            zeros = cute.make_rmem_tensor(cute.make_layout(SUB), Float32)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, cute.local_tile(sX[r, None], (SUB,), (2 * side + 1,)))
         cute.arch.sync_threads()
 
         # 1. the diagonal blocks, warp i block i, a lane per column
