@@ -58,8 +58,8 @@ from .recurrent_cute import compile_launcher
 C = CHUNK_SIZE
 SUB = 16  # rows of a diagonal block, and of each warp's product
 THREADS = 128
-# float32 row stride of the shared matrices: the mma fragments' 8 rows x 4 columns of a load fall
-# in 32 distinct banks (68 = 4 mod 32)
+# float32 row stride of the shared matrices: the A fragments' 8 rows x 4 columns of a load fall in 32
+# distinct banks (68 = 4 mod 32); the B fragments' transposed reads keep two-way conflicts
 ROW = C + 4
 
 
@@ -188,7 +188,7 @@ def _solve_kernel(n_ws: cute.Tensor, t_ws: cute.Tensor, table: cute.Tensor, cu_s
 
         # N's rows, a half row per thread (strictly lower: what lies on and above the diagonal was
         # never written, and rows t >= L belong to the next sequence); the upper right quarter,
-        # above the diagonal, is neither read nor stored (the pairs' scratch)
+        # above the diagonal, is neither loaded nor stored (the pairs' scratch)
         r = tid // 2
         side = tid % 2
         if (side == 0) | (r >= C // 2):
@@ -232,13 +232,13 @@ def _solve_kernel(n_ws: cute.Tensor, t_ws: cute.Tensor, table: cute.Tensor, cu_s
 
 @cute.jit
 def _launch(n_ptr: cute.Pointer, t_ptr: cute.Pointer, table_ptr: cute.Pointer, cu_ptr: cute.Pointer,
-            indices_ptr: cute.Pointer, T_: Int32, N: Int32, num_ids: Int32, stream: cuda.CUstream,
+            indices_ptr: cute.Pointer, num_tokens: Int32, N: Int32, num_ids: Int32, stream: cuda.CUstream,
             HV: cutlass.Constexpr[int], HAS_SLOTS: cutlass.Constexpr[bool]):
     """Views of the raw pointers and the launch of ``_solve_kernel`` (num_ids x HV CTAs): N float32
     and T fp16 contiguous [T, HV, C]; the chunk table int32 [num_ids, 2]; cu_seqlens int32 [N + 1];
     state_indices int32 [N]."""
-    n_ws = cute.make_tensor(n_ptr, cute.make_layout((T_, HV, C), stride=(HV * C, C, 1)))
-    t_ws = cute.make_tensor(t_ptr, cute.make_layout((T_, HV, C), stride=(HV * C, C, 1)))
+    n_ws = cute.make_tensor(n_ptr, cute.make_layout((num_tokens, HV, C), stride=(HV * C, C, 1)))
+    t_ws = cute.make_tensor(t_ptr, cute.make_layout((num_tokens, HV, C), stride=(HV * C, C, 1)))
     table = cute.make_tensor(table_ptr, cute.make_layout((num_ids, 2), stride=(2, 1)))
     cu_seqlens = cute.make_tensor(cu_ptr, cute.make_layout(N + 1))
     state_indices = cute.make_tensor(indices_ptr, cute.make_layout(N))
@@ -262,11 +262,11 @@ def kda_solve(N_ws: torch.Tensor, T_ws: torch.Tensor, table: torch.Tensor, cu_se
     and value head. N_ws float32 and T_ws fp16 contiguous [T, HV, C]; table int32 [num_ids, 2] from
     ``varlen.chunk_indices``; cu_seqlens int32 [N + 1]; state_indices int32 [N] or None (chunks of
     sequences with a negative slot are skipped)."""
-    T_, HV, _ = N_ws.shape
+    num_tokens, HV, _ = N_ws.shape
     has_slots = state_indices is not None
     launch = _compiled(HV, has_slots)
     tensors = (N_ws, T_ws, table, cu_seqlens, state_indices if has_slots else cu_seqlens)  # (never read without slots)
     here = N_ws.device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if here else torch.cuda.device(N_ws.device):
-        launch([x.data_ptr() for x in tensors], (T_, cu_seqlens.shape[0] - 1, table.shape[0]),
+        launch([x.data_ptr() for x in tensors], (num_tokens, cu_seqlens.shape[0] - 1, table.shape[0]),
                torch.cuda.current_stream().cuda_stream)
