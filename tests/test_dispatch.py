@@ -164,3 +164,17 @@ def test_triton_recurrent_tiles_per_op():
     assert block_v(8, 32, 128, 128, gpu, "slots", "kda") == (4, 1)
     assert block_v(1, 32, 128, 128, torch.device("cpu"), "deferred") == (32, 1)
 
+
+
+def test_cute_prefill_row_checks():
+    """The CuTe DSL prefills need TMA's rows (contiguous, 16-byte aligned) where their kernels load
+    by TMA: GDN's q, k, v, out; KDA's v and out only (its q and k go to the Triton intra-chunk
+    kernels, which take any strides)."""
+    pytest.importorskip("cutlass")
+    from cula_serve.kernels.delta_rule import chunk_cute
+    bf16 = torch.bfloat16
+    unaligned = torch.zeros(64, 32 * 128 + 3, dtype=bf16)[:, :32 * 128].unflatten(-1, (32, 128))  # odd row stride
+    aligned = torch.zeros(64, 32, 128, dtype=bf16)
+    assert chunk_cute.unsupported("kda", unaligned, unaligned, aligned, aligned, None) is None
+    assert "16-byte aligned" in chunk_cute.unsupported("gdn", unaligned, aligned, aligned, aligned, None)
+    assert "v: rows" in chunk_cute.unsupported("kda", aligned, aligned, unaligned, aligned, None)

@@ -405,16 +405,18 @@ def strides(q, k, v, out, pool) -> tuple:
             *(pool.stride()[:2] if pool is not None else (0, 0)))
 
 
-def unsupported(kernel: str, q, k, v, out, pool) -> str | None:
+def unsupported(kernel: str, q, k, v, out, pool, tma_rows: tuple = ("q", "k", "v", "out")) -> str | None:
     """Why the ``kernel`` prefill cannot run these tensors (None when it can): bf16 q, k, v and
-    out whose rows (last dim) are 128 wide, contiguous and 16-byte aligned (TMA loads, 16-byte
-    stores), a pool of contiguous [128, 128] states."""
+    out whose rows (last dim) are 128 wide, the ``tma_rows`` among them contiguous and 16-byte
+    aligned (TMA loads, 16-byte stores), a pool of contiguous [128, 128] states."""
     if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype:
         return f"inputs {q.dtype}: the CuTe DSL {kernel} prefill takes bf16 q, k, v and out"
     widths = (q.shape[-1], k.shape[-1], v.shape[-1], out.shape[-1])
     if widths != (HEAD_DIM,) * 4:
         return f"head dims (q, k, v, out) {widths}: the CuTe DSL {kernel} prefill takes {HEAD_DIM}"
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if name not in tma_rows:
+            continue
         stride = x.stride()
         if stride[-1] != 1 or x.data_ptr() % 16 or any(s % 8 for s in stride[:-1]):  # 8 bf16 = 16 bytes
             return f"{name}: rows must be contiguous and 16-byte aligned for TMA (strides {stride})"

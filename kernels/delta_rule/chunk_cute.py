@@ -1022,10 +1022,12 @@ _POINTERS = ("q", "k", "v", "out", "pool", "g", "beta", "A_log", "dt_bias", "cu_
 
 def unsupported(mode: str, q, k, v, out, pool) -> str | None:
     """Why these kernels cannot run a call (None when they can): GDN and KDA, the rows
-    ``cute_prefill.unsupported`` admits."""
+    ``cute_prefill.unsupported`` admits. KDA's q and k go to the Triton intra-chunk kernels, which
+    take any strides: only v and out need TMA's rows."""
     if mode not in ("gdn", "kda"):
         return f"no CuTe DSL delta-rule prefill for {mode}"
-    return unsupported_rows(mode.upper(), q, k, v, out, pool)
+    tma_rows = ("v", "out") if mode == "kda" else ("q", "k", "v", "out")
+    return unsupported_rows(mode.upper(), q, k, v, out, pool, tma_rows)
 
 
 def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,

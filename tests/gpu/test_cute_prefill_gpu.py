@@ -176,6 +176,27 @@ def test_strided_inputs_and_out():
     assert_same_writes(pool, ref_pool, 5e-3)
 
 
+def test_kda_unaligned_q_k(monkeypatch):
+    """KDA's q and k sliced with an odd row stride and k's head vectors strided: only the Triton
+    intra-chunk kernels read them, so the cute backend runs the call (automatic dispatch too)."""
+    lens, slots = [333, 20, 700], [4, 1, 6]
+    s = SHAPES["kda"]
+    T, H, K = sum(lens), s["H"], s["K"]
+    kw = _inputs("kda", T, seed=16)
+    gen = torch.Generator(device=DEVICE).manual_seed(17)
+    fused = torch.randn(T, 2 * H * K + 3, generator=gen, device=DEVICE).bfloat16()
+    fused[:, :H * K] = kw["q"].flatten(1)
+    fused[:, H * K:2 * H * K] = kw["k"].transpose(-1, -2).flatten(1)
+    kw.update(q=fused[:, :H * K].unflatten(-1, (H, K)),
+              k=fused[:, H * K:2 * H * K].unflatten(-1, (K, H)).transpose(-1, -2))
+    assert kw["q"].data_ptr() % 16 == 0 and kw["q"].stride(0) % 8 != 0 and kw["k"].stride(-1) != 1
+    pool = poisoned_pool("kda", torch.float32, slots, seed=18)
+    o, ref_o, ref_pool = _run("kda", kw, pool, **varlen_call(lens, slots, [True] * len(lens)))
+    assert_close(o, ref_o, 5e-3)
+    assert_same_writes(pool, ref_pool, 5e-3)
+    assert _picked(monkeypatch, lambda **call: prefill_call("kda", call), **kw) == "cute"
+
+
 @MODES
 def test_cuda_graph_prefill(mode):
     """Captured once, replayed with new inputs, lengths and slots: equals an eager call."""
