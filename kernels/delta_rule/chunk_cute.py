@@ -1106,8 +1106,8 @@ def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
     one CTA per sequence and value head, or per segment as GDN's: ``segment_tokens`` as
     ``gdn_prefill``'s).
 
-    q, k: [T, H, 128] bf16; v, out: [T, HV, 128] bf16 (rows 16-byte aligned); g: [T, HV, 128]
-    float32 / bf16, the log decay or with ``recipe.fused_gate`` the raw projection; beta: [T, HV]
+    q, k: [T, H, 128] bf16, any strides; v, out: [T, HV, 128] bf16 (rows 16-byte aligned); g: [T, HV,
+    128] float32 / bf16, the log decay or with ``recipe.fused_gate`` the raw projection; beta: [T, HV]
     float32 / bf16, in (0, 1) or logits with ``recipe.beta_logits``; state_pool [P, HV, 128, 128]
     float32 / bf16, K-last, or None; cu_seqlens int32 [N + 1]; state_indices int32 [N] (negative:
     padding); has_initial_state bool [N]; checkpoint_indices int32 [N, M] with checkpoint_every a
