@@ -165,7 +165,6 @@ def test_triton_recurrent_tiles_per_op():
     assert block_v(1, 32, 128, 128, torch.device("cpu"), "deferred") == (32, 1)
 
 
-
 def test_cute_prefill_row_checks():
     """The CuTe DSL prefills need TMA's rows (contiguous, 16-byte aligned) where their kernels load
     by TMA: GDN's q, k, v, out; KDA's v and out only (its q and k go to the Triton intra-chunk
