@@ -129,7 +129,7 @@ def test_cute_gives_few_cta_prefills_to_triton(monkeypatch):
     from cula_serve.kernels.backends import cute_backend
     from cula_serve.kernels.common import segments
     monkeypatch.setattr(segments, "sm_count", lambda device: 132)
-    # the kernels' head dim, from a module that needs nvidia-cutlass-dsl (absent in CI)
+    # the kernels' head dim, from a module that needs nvidia-cutlass-dsl (not installed everywhere)
     monkeypatch.setattr(cute_backend, "chunk_cute", types.SimpleNamespace(HEAD_DIM=128), raising=False)
     tensors = (torch.empty(0),)
     defers = lambda mode, HV, T=8192, N=1, checkpoints=False: cute_backend.defers(  # noqa: E731

@@ -69,10 +69,10 @@ def call_error(operation: str, *, mode: str, tensors: tuple = (), options: tuple
 
 
 # The prefill kernels run one CTA per sequence and value head (GDN's and KDA's long sequences in
-# segments); below this share of the SMs the Triton kernels' segments win where ours cannot segment (H100,
-# device time per token-head: Lightning 1 x 8192 tokens, 48 heads 0.948 against Triton's 0.884,
-# 64 heads 0.733 against 0.795; GDN unsegmented at 32 heads, 1 x 8192 tokens 5.13 against 4.95,
-# the bench, eager: 1 x 32768 4.02 against 3.40).
+# segments); below this share of the SMs the Triton kernels' segments win where ours cannot
+# segment (H100, device time per token-head: Lightning 1 x 8192 tokens, 48 heads 0.948 against
+# Triton's 0.884, 64 heads 0.733 against 0.795; GDN unsegmented at 32 heads, 1 x 8192 tokens 5.13
+# against 4.95, the bench, eager: 1 x 32768 4.02 against 3.40).
 PREFILL_MIN_SM_SHARE = 0.4
 # KDA's Triton prefill runs the same intra-chunk kernels as ours, so only the state passes differ:
 # unsegmented, ours wins from 16 CTAs (H200, 2026-11-27, CUDA-graph replay, ns per token-head,

@@ -734,8 +734,8 @@ def _kda_gate_kernel(g, A_log, dt_bias, lower_bound, cu_seqlens, chunk_table, st
     sub-chunks' decays instead of scanning each of them once per row block (ten 16-row scans
     across warps per chunk: 0.25 of its 1.52 ms at KDA 4 x 8192 on an H200). This pass takes
     about 0.26 ms there with prepared gates and 64 channels on 2 warps (32 on 1: 0.29; a thread per
-    channel walking the 64 rows instead of the scan: 0.27-0.52), 0.44 with raw gates on 2 warps
-    (GATE_WARPS)."""
+    channel walking the 64 rows instead of the scan: 0.27-0.52), 0.44 with raw gates on 2 warps,
+    which is why it now runs on 4 (GATE_WARPS)."""
     i_c, hv = _chunk_program(HV)
     c0 = tl.program_id(1) * BKG
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)

@@ -16,9 +16,9 @@ four warps, in 16 x 16 blocks (i, j: rows 16 i .., columns 16 j ..):
    pass reads (``chunk_cute._kda_kernel``).
 
 The doublings' products run on mma.sync m16n8k8 with tf32 operands and float32 accumulation, each
-operand x split into hi = rn_tf32(x) and lo = rn_tf32(x - hi) and the product taken as
-hi hi + hi lo + lo hi: what it drops is about 2^-21 of each operand, against tf32's 2^-11. The solve sets the
-accuracy of everything after it: with keys correlated within a chunk M^-1 has large entries, and
+operand x split into hi = rn_tf32(x) and lo = rn_tf32(x - hi) and the product taken as hi hi +
+hi lo + lo hi: what it drops is about 2^-21 of each operand, against tf32's 2^-11. The solve sets
+the accuracy of everything after it: with keys correlated within a chunk M^-1 has large entries, and
 tf32's 11 bits there multiplied the final states' error by 2 to 6 (BENCHMARKS 2026-11-27 02:05,
 ``chunk_triton._mm``). ``chunk_triton._invert_chunk`` computes the same blocks with IEEE float32
 products on the CUDA cores, bound by the layout conversions of its 16 x 16 products (ncu: the L1 /
