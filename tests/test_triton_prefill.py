@@ -22,6 +22,7 @@ import triton.language as tl  # noqa: E402
 
 from cula_serve.kernels.backends import triton_backend  # noqa: E402
 from cula_serve.kernels.common.varlen import chunk_indices  # noqa: E402
+from cula_serve.kernels.delta_rule import chunk_triton  # noqa: E402
 from cula_serve.kernels.delta_rule.chunk_triton import FACTOR_SPAN, _diag_block, _dot, _split_diag_block  # noqa: E402
 from cula_serve.inputs import relative_error  # noqa: E402
 
@@ -262,15 +263,20 @@ def test_gate_variants(mode, gate, generator):
 
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["gdn", "kda"])
-def test_strong_decays_stay_finite_and_exact(mode, input_dtype, generator):
+def test_strong_decays_stay_finite_and_exact(mode, input_dtype, generator, monkeypatch):
     """Gates near -100 per token: a chunk's cumulative gate reaches the thousands, so exp(-G)
     would overflow float32 many times over; mixed with tokens of almost no decay, so float32
     differences of cumulative sums would lose the small ones. Float32 stays within 1e-5; bf16
-    inputs (KDA's decays then come from differences of the chunk's G) within their tolerance."""
+    inputs (KDA's decays then come from differences of the chunk's G) within their tolerance.
+    KDA's channels 16 to 31 decay weakly, and its exact diagonal blocks go in pieces of 16
+    channels, which then split their pairs at different block sizes."""
     lens, slots = [130, 64], [0, 1]
     shape = dict(H=1, HV=2, K=32, V=32)
     kw = random_inputs(mode, (sum(lens),), **shape, dtype=input_dtype, generator=generator)
     kw["A_log"] = torch.tensor([4.0, 1.0])  # A = e^4 ~ 55: g = -55 softplus(.) reaches -100s
+    if mode == "kda":
+        kw["dt_bias"][:, 16:] -= 8.0  # softplus(a - 8) ~ e^(a - 8): a few hundredths per token
+        monkeypatch.setattr(chunk_triton, "EXACT_DIAG_TILE", 16)
     pool, call = _varlen_case(generator, shape, lens, slots, [True, True])
     o, ref_o, ref_pool = _run_both(mode, kw, pool, **call)
     assert torch.isfinite(o).all()
@@ -284,8 +290,9 @@ def _split_diag_block_kernel(q_ptr, k_ptr, l_ptr, A_ptr, P_ptr, BK: tl.constexpr
     rows = tl.arange(0, 16)
     tile = rows[:, None] * BK + tl.arange(0, BK)[None, :]
     ones = tl.full([16], 1.0, tl.float32)
+    zeros = tl.zeros([16, 16], dtype=tl.float32)
     A, P = _diag_block(*_split_diag_block(tl.load(q_ptr + tile), tl.load(k_ptr + tile), ones, ones,
-                                          tl.load(l_ptr + tile), "ieee", "ieee", FACTOR_SPAN))
+                                          tl.load(l_ptr + tile), zeros, zeros, "ieee", "ieee", FACTOR_SPAN))
     block = rows[:, None] * 16 + rows[None, :]
     tl.store(A_ptr + block, A)
     tl.store(P_ptr + block, P)
@@ -432,7 +439,6 @@ def test_kda_chunk_operands(generator, monkeypatch):
     M^-1 as whole rows (zeros above the diagonal blocks' lower parts), the decayed Q, K tiles and G.
     A varlen batch with a padding row (never written) and a chunk tail; NaN workspaces."""
     from cula_serve.api import _recipe
-    from cula_serve.kernels.delta_rule import chunk_triton
 
     monkeypatch.setattr(chunk_triton, "torch", _NanWorkspaces())
 

@@ -31,8 +31,8 @@ stage 3 below).
    2 and 3 (l2norms, decays, scale: four float32 per token and value head), which it has in
    hand for P and N. KDA, whose per-channel decays only factor safely across sub-chunk
    boundaries (below): ``_kda_gate_kernel`` first writes G (the chunk-local cumulative log gate,
-   float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV,
-   1, 4), one 16-row block of P and N per program, its decays read from G (with float32 inputs
+   float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV
+   x 4,), one 16-row block of P and N per program, its decays read from G (with float32 inputs
    it computes the gates itself and writes G), then ``_kda_exact_diag_kernel`` (the diagonal
    blocks whose gates span too much for the block kernel's factored product, exactly; below),
    then ``_invert_kernel`` (one program per chunk and head, 2 warps). With bf16 / fp16 inputs the
@@ -172,6 +172,12 @@ GATE_TILE, GATE_WARPS = 64, 4
 # uncapped, 2.161 with its intra kernel at 168, 2.197 at 128. Not capped: the inverse (1.971 /
 # 2.827 at 168), the W / U~ kernel (2.378 at 168 and 128) and the state pass (3.490 / 3.410).
 INTRA_MAXNREG = 168
+# KDA's exact diagonal blocks with bf16 / fp16 inputs: channels per piece, warps and register cap.
+# H200, 32 heads 4 x 8192, raw gates, the intra-chunk launches: 2.607 ms with the whole K = 128 on
+# 2 warps at 168 registers (0.903 in this kernel), 2.404-2.432 in pieces of 32 on one warp at 128;
+# pieces of 32 on 2 warps 2.721, on one warp at 96 registers 2.546, pieces of 64 on one warp 2.809
+# (168) and 3.047 (128), on 2 warps at 128 2.617.
+EXACT_DIAG_TILE, EXACT_DIAG_WARPS, EXACT_DIAG_MAXNREG = 32, 1, 128
 # Segments (kernels/common/segments.py): their transitions carry K more state columns, so few and
 # long pay best (H200, GDN 1 x 32768: 3.89 ns per token-head unsegmented, 3.50 in four segments,
 # 3.80 in five, 3.82 in 32); none shorter than 1024 tokens (each costs a [V, K] x [K, K] step).
@@ -583,16 +589,18 @@ def _diag_block(A, P):
 
 
 @triton.jit
-def _split_diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, PREC_UNIT: tl.constexpr,
+def _split_diag_block(qi, ki, rqi, rki, li, A, P, PREC_ACC: tl.constexpr, PREC_UNIT: tl.constexpr,
                       FACTOR_SPAN: tl.constexpr):
     """A and P / scale of a diagonal block whose gates span FACTOR_SPAN or more, exactly (lower
-    triangles not yet masked), from the sub-chunk's q and k rows, their inverse norms and ``li``,
-    the cumulative gate from the sub-chunk's start.
+    triangles not yet masked), from the sub-chunk's q and k rows [16, BKD] in some BKD channels,
+    the rows' inverse norms and ``li``, the cumulative gate in those channels (from any start:
+    only differences within the sub-chunk are taken). These channels' terms are added to ``A``
+    and ``P`` [16, 16] float32: the sums over channels split freely, and so may the choice of b.
 
     b is the largest block size (8, 4, 2 or 1) whose aligned b-row blocks span less than
-    FACTOR_SPAN. Pairs in different b-blocks are taken level by level, as the off-diagonal
-    sub-chunk blocks are: at half size h = 8, 4, .. b, rows t in the upper half of a 2h-row block
-    against rows s in its lower half, split at the upper half's first row m,
+    FACTOR_SPAN in the channels given. Pairs in different b-blocks are taken level by level, as
+    the off-diagonal sub-chunk blocks are: at half size h = 8, 4, .. b, rows t in the upper half
+    of a 2h-row block against rows s in its lower half, split at the upper half's first row m,
         exp(l_t - l_s) = exp(l_t - l_m) * exp(l_m - l_s),  both factors <= 1,
     one decayed tile exp(-|l - l_m|) for both sides and one product a level. Pairs within a
     b-block split at its first row f, exp(l_t - l_f) <= 1 times exp(l_f - l_s) < e^FACTOR_SPAN;
@@ -609,8 +617,6 @@ def _split_diag_block(qi, ki, rqi, rki, li, PREC_ACC: tl.constexpr, PREC_UNIT: t
     for level in range(1, 4):  # spans only grow with the block size: the largest safe one wins
         if tl.max(tl.max(_rows_of(li, r >> level << level) - li, 1), 0) < FACTOR_SPAN:
             log_b = level
-    A = tl.zeros([SUB, SUB], dtype=tl.float32)
-    P = tl.zeros([SUB, SUB], dtype=tl.float32)
     for log_h in range(log_b, 4):  # h = 2^log_h, from b up to 8
         upper = (r >> log_h) % 2 == 1
         decay = tl.exp(-tl.abs(li - _rows_of(li, (r >> log_h << log_h) + tl.where(upper, 0, 1 << log_h))))
@@ -666,14 +672,18 @@ def _kda_block_kernel(
     one program per block, the blocks between j and i recomputed the gates of the sub-chunks
     between them: twice the transcendentals). Only sub-chunk i's decayed tiles and one column
     sub-chunk are live: the whole chunk in one program (2 warps) held three sub-chunks' decayed
-    tiles and spilled 3 KB per thread. Grid axis 2 runs the longest rows (i = 3, four blocks)
-    first."""
+    tiles and spilled 3 KB per thread. The four programs of a chunk and head are neighbours in
+    launch order, the longest rows (i = 3, four blocks) first, so that the column sub-chunks they
+    share come from L2: with i in the slowest grid axis (all chunks' i = 3 programs first) this
+    kernel took 0.971 ms on an H200 at KDA 32 heads 4 x 8192 with raw gates, 0.888 now (mild
+    gates 1.069 against 1.087)."""
     tl.static_assert(C == 4 * SUB)
-    i_c, hv = _chunk_program(HV)
-    i = 3 - tl.program_id(2)  # axis 1 has size 1
+    chunk_head = tl.program_id(0) // 4
+    i = 3 - tl.program_id(0) % 4
+    i_c, hv = chunk_head // HV, chunk_head % HV
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     L = tl.minimum(eos - t0, C).to(tl.int32)
-    mark = exact_marks + tl.program_id(0) * 4 + i
+    mark = exact_marks + chunk_head * 4 + i
     if live & (i * SUB < L):
         q, k, g, beta, A, dt_bias = _kda_head(q, k, g, beta, A_log, dt_bias, hv, s_qh, s_kh, s_gh, s_bh, GROUP, K,
                                               FUSED_GATE)
@@ -759,16 +769,21 @@ def _kda_exact_diag_kernel(
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_UNIT: tl.constexpr,
     FACTOR_SPAN: tl.constexpr,
-    GATE_WS: tl.constexpr,
+    GATE_WS: tl.constexpr, BKD: tl.constexpr,
 ):
     """KDA, one (chunk, value head, sub-chunk i), arguments as the block kernel's: the diagonal 16 x 16
     block (i, i) of P and N where the block kernel left it here (gates spanning FACTOR_SPAN or more
     within the sub-chunk), exactly (``_split_diag_block``). ``exact_marks`` int8 [chunks x HV, 4]:
     the block kernel's byte per sub-chunk, nonzero where left here; an unmarked program reads its
-    byte and returns. One program per sub-chunk on 2 warps: H200, KDA 32 heads 4 x 8192, raw
-    gates, the intra-chunk launches 3.17 ms against 3.64 with 4 warps and 3.49 with one program
-    per chunk on 4 warps (its marked sub-chunks in turn); with mild gates, all unmarked, 2.048
-    against 2.023 for the latter."""
+    byte and returns. One program per sub-chunk (EXACT_DIAG_WARPS): H200, KDA 32 heads 4 x 8192,
+    raw gates, the intra-chunk launches 3.17 ms on 2 warps against 3.49 with one program per chunk
+    on 4 warps (its marked sub-chunks in turn); with mild gates, all unmarked, 2.048 against
+    2.023 for the latter.
+
+    The channels go in pieces of BKD (EXACT_DIAG_TILE; the row norms first, in a pass of their
+    own): q, k and l whole ([16, K] float32 each) with the levels' decayed copies spilled at the
+    register cap (H200, raw gates, 4 x 8192: this kernel 0.899 ms whole on 2 warps, 0.688 in
+    pieces of 32 on one)."""
     i = tl.program_id(1)
     if tl.load(exact_marks + tl.program_id(0) * 4 + i) != 0:
         i_c, hv = _chunk_program(HV)
@@ -776,11 +791,35 @@ def _kda_exact_diag_kernel(
         L = tl.minimum(eos - t0, C).to(tl.int32)
         q, k, g, beta, A, dt_bias = _kda_head(q, k, g, beta, A_log, dt_bias, hv, s_qh, s_kh, s_gh, s_bh, GROUP, K,
                                               FUSED_GATE)
-        qi, ki, rqi, rki, li, _, bi = _load_sub(
-            q, k, g, beta, G_ws, hv, t0, i * SUB, L, s_qt, s_qk, s_kt, s_kk, s_gt, s_gk, s_bt, A, dt_bias,
-            lower_bound, HV, K, BK, QK_L2NORM, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, GATE_WS)
-        A_blk, P_blk = _diag_block(*_split_diag_block(qi, ki, rqi, rki, li, PREC_ACC, PREC_UNIT, FACTOR_SPAN))
-        _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, bi, t0, i * SUB, i * SUB, L, hv, HV, C)
+        r = i * SUB + tl.arange(0, SUB)
+        rmask = r < L
+        tok = t0 + r
+        rq = tl.full([SUB], 1.0, tl.float32)
+        rk = tl.full([SUB], 1.0, tl.float32)
+        if QK_L2NORM:
+            q_sq = tl.zeros([SUB], dtype=tl.float32)
+            k_sq = tl.zeros([SUB], dtype=tl.float32)
+            for c0 in range(0, K, BKD):
+                qq = _load_tile(q, tok, rmask, s_qt, s_qk, c0, K, BKD).to(tl.float32)
+                kk = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BKD).to(tl.float32)
+                q_sq += tl.sum(qq * qq, 1)
+                k_sq += tl.sum(kk * kk, 1)
+            rq = tl.rsqrt(q_sq + EPS)
+            rk = tl.rsqrt(k_sq + EPS)
+        A_blk = tl.zeros([SUB, SUB], dtype=tl.float32)
+        P_blk = tl.zeros([SUB, SUB], dtype=tl.float32)
+        for c0 in range(0, K, BKD):
+            if GATE_WS:  # G itself: only differences within the sub-chunk are taken
+                l = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BKD)
+            else:
+                l = tl.cumsum(_log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
+                                              K, BKD, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE), 0)
+            A_blk, P_blk = _split_diag_block(
+                _load_tile(q, tok, rmask, s_qt, s_qk, c0, K, BKD), _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BKD),
+                rq, rk, l, A_blk, P_blk, PREC_ACC, PREC_UNIT, FACTOR_SPAN)
+        A_blk, P_blk = _diag_block(A_blk, P_blk)
+        b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
+        _store_P_N(P_ws, N_ws, P_blk, A_blk, scale, b, t0, i * SUB, i * SUB, L, hv, HV, C)
 
 
 @triton.jit
@@ -1110,14 +1149,16 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
     exact_marks = torch.empty(grid[0], 4, dtype=torch.int8, device=q.device)  # every byte written
     register_cap = _intra_register_cap(prec)
     warps = 4 if prec["PREC_ACC"] == "tf32x3" else 2  # the block and exact kernels alike
-    _kda_block_kernel[grid + (1, 4)](
+    _kda_block_kernel[(grid[0] * 4,)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks, **constants,
         WHOLE_P=whole, num_warps=warps, num_stages=1, **register_cap)
     _kda_exact_diag_kernel[grid + (C // SUB,)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws, G_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), exact_marks, **constants,
-        num_warps=warps, num_stages=1, **register_cap)
+        BKD=min(constants["BK"], EXACT_DIAG_TILE), num_stages=1,
+        **(dict(num_warps=warps) if prec["PREC_ACC"] == "tf32x3" else
+           dict(num_warps=EXACT_DIAG_WARPS, maxnreg=EXACT_DIAG_MAXNREG)))
     if solve is not None:
         solve(N_ws, T_ws, table)
         return
