@@ -413,7 +413,9 @@ def _store_P_N(P_ws, N_ws, P, A, scale, b, t0, row0, col0, L, hv, HV: tl.constex
 def _mm(a, b):
     """16 x 16 products of the block inversion, in IEEE float32: the solve sets the accuracy. With
     tf32 here (FLA's choice) keys correlated within a chunk raised the final states' error 2-6x
-    and KDA's output past the bf16 tolerance (H200 stress check, BENCHMARKS 2026-11-27)."""
+    and KDA's output past the bf16 tolerance (H200 stress check, BENCHMARKS 2026-11-27). Triton's
+    "tf32x3" kept the IEEE errors but slowed the prefill (H200, 4 x 8192: GDN 2.099 -> 2.599 ms,
+    KDA 3.143 -> 3.345)."""
     return tl.dot(a, b, input_precision="ieee")
 
 
