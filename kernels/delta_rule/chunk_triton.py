@@ -783,7 +783,7 @@ def _kda_exact_diag_kernel(
     2.023 for the latter.
 
     The channels go in pieces of BKD (EXACT_DIAG_TILE; the row norms first, in a pass of their
-    own): q, k and l whole ([16, K] float32 each) with the levels' decayed copies spilled at the
+    own). With q, k and l whole ([16, K] float32 each) the levels' decayed copies spilled at the
     register cap (H200, raw gates, 4 x 8192: this kernel 0.899 ms whole on 2 warps, 0.688 in
     pieces of 32 on one)."""
     i = tl.program_id(1)
