@@ -1150,7 +1150,7 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
                      **gate_flags)
     exact_marks = torch.empty(grid[0], 4, dtype=torch.int8, device=q.device)  # every byte written
     register_cap = _intra_register_cap(prec)
-    warps = 4 if prec["PREC_ACC"] == "tf32x3" else 2  # the block and exact kernels alike
+    warps = 4 if prec["PREC_ACC"] == "tf32x3" else 2  # the block kernel (the exact one too with float32 inputs)
     _kda_block_kernel[(grid[0] * 4,)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks, **constants,
