@@ -564,6 +564,21 @@ def _gate_row(G_ws, tok, live, hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.con
 
 
 @triton.jit
+def _row_norms(x, tok, rmask, s_t, s_d, K: tl.constexpr, BK: tl.constexpr, QK_L2NORM: tl.constexpr):
+    """``_inv_norm`` of rows ``tok`` of one head (``x`` points at it), read BK channels at a time:
+    [R] float32."""
+    if QK_L2NORM:
+        sq = tl.zeros([tok.shape[0]], dtype=tl.float32)
+        for c0 in range(0, K, BK):
+            xx = _load_tile(x, tok, rmask, s_t, s_d, c0, K, BK).to(tl.float32)
+            sq += tl.sum(xx * xx, 1)
+        r = tl.rsqrt(sq + EPS)
+    else:
+        r = tl.full([tok.shape[0]], 1.0, tl.float32)
+    return r
+
+
+@triton.jit
 def _decayed(x, inv_norm, factor):
     """A [16, BK] tile of q or k in float32 times its inverse row norms and a decay ``factor``."""
     return x.to(tl.float32) * (inv_norm[:, None] * factor)
@@ -678,7 +693,12 @@ def _kda_block_kernel(
     launch order, the longest rows (i = 3, four blocks) first, so that the column sub-chunks they
     share come from L2: with i in the slowest grid axis (all chunks' i = 3 programs first) this
     kernel took 0.971 ms on an H200 at KDA 32 heads 4 x 8192 with raw gates, 0.888 now (mild
-    gates 1.069 against 1.087)."""
+    gates 1.069 against 1.087). Taking the channels in pieces, as the exact kernel does (row norms
+    first, all of a row's off-diagonal blocks as one strip product per piece, a body per i so that
+    the strip is static), spilled less (sm_90 compile, 2 warps at 168: 680 -> 328 bytes of stack,
+    none in pieces of 16) but ran slower in every width, warps and cap tried (H200, mild gates:
+    1.09 -> 1.44 ms at best, 4 warps at 128 in pieces of 32; 2.2 on 2 warps): four products a
+    piece, each with its operand conversions, instead of at most eight over the whole K."""
     tl.static_assert(C == 4 * SUB)
     chunk_head = tl.program_id(0) // 4
     i = 3 - tl.program_id(0) % 4
@@ -785,7 +805,8 @@ def _kda_exact_diag_kernel(
     The channels go in pieces of BKD (EXACT_DIAG_TILE; the row norms first, in a pass of their
     own). With q, k and l whole ([16, K] float32 each) the levels' decayed copies spilled at the
     register cap (H200, raw gates, 4 x 8192: this kernel 0.899 ms whole on 2 warps, 0.688 in
-    pieces of 32 on one)."""
+    pieces of 32 on one; 0.649 with the norms in a pass per operand, ``_row_norms``, instead of one
+    pass loading both)."""
     i = tl.program_id(1)
     if tl.load(exact_marks + tl.program_id(0) * 4 + i) != 0:
         i_c, hv = _chunk_program(HV)
@@ -796,18 +817,8 @@ def _kda_exact_diag_kernel(
         r = i * SUB + tl.arange(0, SUB)
         rmask = r < L
         tok = t0 + r
-        rq = tl.full([SUB], 1.0, tl.float32)
-        rk = tl.full([SUB], 1.0, tl.float32)
-        if QK_L2NORM:
-            q_sq = tl.zeros([SUB], dtype=tl.float32)
-            k_sq = tl.zeros([SUB], dtype=tl.float32)
-            for c0 in range(0, K, BKD):
-                qq = _load_tile(q, tok, rmask, s_qt, s_qk, c0, K, BKD).to(tl.float32)
-                kk = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BKD).to(tl.float32)
-                q_sq += tl.sum(qq * qq, 1)
-                k_sq += tl.sum(kk * kk, 1)
-            rq = tl.rsqrt(q_sq + EPS)
-            rk = tl.rsqrt(k_sq + EPS)
+        rq = _row_norms(q, tok, rmask, s_qt, s_qk, K, BKD, QK_L2NORM)
+        rk = _row_norms(k, tok, rmask, s_kt, s_kk, K, BKD, QK_L2NORM)
         A_blk = tl.zeros([SUB, SUB], dtype=tl.float32)
         P_blk = tl.zeros([SUB, SUB], dtype=tl.float32)
         for c0 in range(0, K, BKD):

@@ -383,8 +383,13 @@ def block_v(N: int, HV: int, K: int, V: int, device: torch.device, op: str = "de
       -> 142.9 / 538.3, float32 184.4 / 679.6 -> 179.6 / 650.5; GDN's and Lightning's commits keep
       8: GDN bfloat16 118.0 against 123.8 with 16).
     Two warps per program were slower everywhere, up to 8x (``tile_split`` lays out one warp's
-    lanes). Wider K needs proportionally more threads to hold the K x BV slice in registers. The
-    interpreter (CPU) runs programs one after another: there fewer, wider programs are faster.
+    lanes); for decode, 2 / 4 / 8 warps on 8 columns each also in the plain layout (2026-11-27, GDN
+    bfloat16 B = 64, per layer of a 16-layer graph: 62.2 / 95.9 / 52.8 us against 38.9 on one warp).
+    So was a decode program per head (or half, quarter head) walking its V-tiles with the next
+    tile's load issued ahead and q, k, the gate and beta taken once: 39.1-45.0 us against 38.5
+    (float32 70.8-75.1 against 69.8). Wider K needs proportionally more threads to hold the K x BV
+    slice in registers. The interpreter (CPU) runs programs one after another: there fewer, wider
+    programs are faster.
     """
     if device.type != "cuda":
         return min(V, 32), 1
