@@ -141,6 +141,8 @@ nothing and get zero outputs; their chunks are skipped by the intra kernel.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -153,6 +155,7 @@ from ..common.varlen import chunk_indices, max_chunks
 
 SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
 EPS = tl.constexpr(L2NORM_EPS)
+LN2 = tl.constexpr(math.log(2.0))
 ROW_FACTORS = tl.constexpr(4)  # GDN's float32 row factors per token and value head (``_scalar_gate_chunk``)
 # KDA diagonal blocks go to the tensor cores while exp(span) stays far from float32's 3.4e38 (e^88)
 FACTOR_SPAN = 80.0
@@ -226,9 +229,17 @@ def _inv_norm(x, QK_L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _softplus(x):
+def _softplus(x, FAST_LOG: tl.constexpr):
     # log(1 + e^x) = max(x, 0) + log(1 + e^-|x|): e^-|x| <= 1 never overflows
-    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+    y = 1.0 + tl.exp(-tl.abs(x))
+    if FAST_LOG:
+        # the SFU's lg2.approx: for y in [1, 2] within 2^-22 of log2 y (PTX ISA), against Triton's
+        # log, a libdevice polynomial of about a dozen FMAs that made the raw-gate pass issue-bound
+        log_y = LN2 * tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                                is_pure=True, pack=1)
+    else:
+        log_y = tl.log(y)
+    return tl.maximum(x, 0.0) + log_y
 
 
 @triton.jit
@@ -259,13 +270,15 @@ def _head_gate(A_log, dt_bias, hv, K: tl.constexpr, PER_CHANNEL: tl.constexpr, F
 @triton.jit
 def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
                     K: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                    FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr):
+                    FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
+                    FAST_LOG: tl.constexpr = False):
     """Log decay of rows ``tok`` of one value head (``g``, ``dt_bias`` point at it): [R, BK] for
     channels c0 .. c0 + BK - 1 (KDA) or [R] (GDN, c0 unused), float32, exactly zero on masked
     rows and channels past K so that they neither decay the state nor count in the sums.
 
     With FUSED_GATE, ``g`` holds the raw projection a and A = exp(A_log[hv]):
     -A * softplus(a + dt_bias), or the safe gate lower_bound * sigmoid(A * (a + dt_bias)).
+    FAST_LOG: softplus' logarithm on the SFU (``_softplus``; not under the interpreter).
     """
     if PER_CHANNEL:
         kk = c0 + tl.arange(0, BK)
@@ -283,7 +296,7 @@ def _log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
         if SAFE_GATE:
             a = lower_bound * tl.sigmoid(A * a)
         else:
-            a = -A * _softplus(a)
+            a = -A * _softplus(a, FAST_LOG)
     return tl.where(mask, a, 0.0)
 
 
@@ -760,7 +773,7 @@ def _kda_block_kernel(
 def _kda_gate_kernel(g, A_log, dt_bias, lower_bound, cu_seqlens, chunk_table, state_indices, G_ws, s_gt, s_gh, s_gk,
                      HV: tl.constexpr, K: tl.constexpr, BKG: tl.constexpr, C: tl.constexpr,
                      FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
-                     HAS_SLOTS: tl.constexpr):
+                     HAS_SLOTS: tl.constexpr, FAST_LOG: tl.constexpr):
     """KDA, one (chunk, value head, BKG channels): G, the cumulative log gate from the chunk's
     start (float32), into ``G_ws`` [T, HV, K]. Once per chunk, so that the block kernel reads its
     sub-chunks' decays instead of scanning each of them once per row block (ten 16-row scans
@@ -776,7 +789,7 @@ def _kda_gate_kernel(g, A_log, dt_bias, lower_bound, cu_seqlens, chunk_table, st
         rmask = tok < eos
         A, dt_bias = _head_gate(A_log, dt_bias, hv, K, True, FUSED_GATE)
         gg = _log_decay_rows(g + hv * s_gh, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
-                             K, BKG, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE)
+                             K, BKG, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, FAST_LOG)
         _store_tile(G_ws, tl.cumsum(gg, 0), tok, rmask, hv, c0, HV, K, BKG)
 
 
@@ -1149,7 +1162,8 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
     if gate_ws:
         _kda_gate_kernel[grid + (triton.cdiv(K, GATE_TILE),)](
             g, *gate_args, cu_seqlens, table, slots, G_ws, *g.stride(), HV=HV, K=K, BKG=GATE_TILE, C=C,
-            HAS_SLOTS=has_slots, num_warps=GATE_WARPS, num_stages=1, **gate_flags)
+            HAS_SLOTS=has_slots, FAST_LOG=not triton.knobs.runtime.interpret, num_warps=GATE_WARPS, num_stages=1,
+            **gate_flags)
     # Warps timed on an H200 (bf16, 4 x 8192, fused gates, one row of blocks per program, before
     # the gate pass): 2 warps 1.46 ms against 4 warps 2.05; in a later run 2 warps 1.53 against
     # 1 warp 1.71 and 2 warps with 2 stages 1.56.
