@@ -233,8 +233,8 @@ def _softplus(x, FAST_LOG: tl.constexpr):
     # log(1 + e^x) = max(x, 0) + log(1 + e^-|x|): e^-|x| <= 1 never overflows
     y = 1.0 + tl.exp(-tl.abs(x))
     if FAST_LOG:
-        # the SFU's lg2.approx: for y in [1, 2] within 2^-22 of log2 y (PTX ISA), against Triton's
-        # log, a libdevice polynomial of about a dozen FMAs that made the raw-gate pass issue-bound
+        # the SFU's lg2.approx: for y in (1, 2] within about 2^-22 of log2 y (PTX ISA); Triton's
+        # log is a libdevice polynomial of about a dozen FMAs, which made the raw-gate pass issue-bound
         log_y = LN2 * tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
                                                 is_pure=True, pack=1)
     else:
@@ -1162,6 +1162,8 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
     if gate_ws:
         _kda_gate_kernel[grid + (triton.cdiv(K, GATE_TILE),)](
             g, *gate_args, cu_seqlens, table, slots, G_ws, *g.stride(), HV=HV, K=K, BKG=GATE_TILE, C=C,
+            # the SFU's log (``_softplus``): only bf16 / fp16 inputs come here (float32 ones take the
+            # accurate log in the block kernel), and not under the interpreter (no inline assembly)
             HAS_SLOTS=has_slots, FAST_LOG=not triton.knobs.runtime.interpret, num_warps=GATE_WARPS, num_stages=1,
             **gate_flags)
     # Warps timed on an H200 (bf16, 4 x 8192, fused gates, one row of blocks per program, before
