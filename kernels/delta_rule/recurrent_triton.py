@@ -225,7 +225,7 @@ def load_head_vector(x, offset, active, factor, K: tl.constexpr, LV: tl.constexp
 def _softplus(x):
     # Not chunk_triton's max(x, 0) + log(1 + e^-|x|) with the log on the SFU: on an H200 (B = 64 /
     # 256, bf16 pool) that made the decode 1.7-2.3% slower, GDN and KDA alike, while KDA's verifies
-    # gained 3-10% (BENCHMARKS, 2026-11-27); decode is the hot path.
+    # gained 3-11% (BENCHMARKS, 2026-11-27); decode is the hot path.
     return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
