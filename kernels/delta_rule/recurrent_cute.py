@@ -1259,6 +1259,9 @@ def launch_shape(op: str, N: int, HV: int, K: int, V: int, T: int, state_dtype: 
     - decode, float32 pool: R16 G32 W8 staged 75.1 / 76.4 / 138.7 (unstaged the same; R8 G32 W4
       76.1 / 77.9 / 150.0; one-warp CTAs R8 G32 W1 76.4 for GDN; R2 G4 W4 81.1); bfloat16: R8 G16
       W4 staged 42.1 for GDN (R16 G32 W8 46.6, R8 G32 W1 unstaged 41.6).
+      Per layer of a 16-layer graph (2026-11-28, GDN, B = 64; the Triton decode dispatch runs: 38.5
+      / 69.6): bfloat16 38.5-38.7 with R >= 4 at G = 16 or 32 (R4 G32 W4 42.9, R2 G16 W4 41.4);
+      float32 R16 G32 W8 72.4, R8 G32 W4 staged 70.5, R4 G32 W4 staged 70.3.
     - deferred verify (WY form): R8 G16 W4 unstaged 54.9 / 59.4 / 86.7 float32 (staged 76.2 /
       81.0 / 128.2: 64 KB of shared memory per CTA cap the CTAs per SM), 46.4 for GDN bfloat16;
       R4 G8 W4 staged 63.5 / 68.5 / 101.0; R16 G32 W8 89.9 / 92.0 / 147.3. At B = 256 (GDN

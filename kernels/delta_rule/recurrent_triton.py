@@ -77,6 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_triton import _softplus as _stable_softplus
 from ..common.pool_protocol import (OPS, check_pending, check_protocol, check_saved_u, check_state_layout,
                                     output_target, strides3, unit_last)
 
@@ -223,15 +224,17 @@ def load_head_vector(x, offset, active, factor, K: tl.constexpr, LV: tl.constexp
 
 @triton.jit
 def _softplus(x):
-    # Not chunk_triton's max(x, 0) + log(1 + e^-|x|) with the log on the SFU: on an H200 (B = 64 /
-    # 256, bf16 pool) that made the decode 1.7-2.3% slower, GDN and KDA alike, while KDA's verifies
-    # gained 3-11% (BENCHMARKS, 2026-11-27); decode is the hot path.
+    # The decode's (and GDN's) softplus. chunk_triton's max(x, 0) + log(1 + e^-|x|) with the log on
+    # the SFU made the decode 1.7-2.3% slower on an H200 (B = 64 / 256, bf16 pool), GDN and KDA
+    # alike, and GDN's pending verify too (94.7 -> 101.8 us); KDA's verifies and commits take it
+    # (``FAST_LOG``, BENCHMARKS 2026-11-28).
     return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
 @triton.jit
 def _token_log_decay(g, offset, offs_k, active, A, bias, lower_bound, PER_CHANNEL_GATE: tl.constexpr,
-                     FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+                     FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                     FAST_LOG: tl.constexpr):
     """A token's log decay: [LV, 1, K // KL, KL] per channel (KDA) or a scalar (GDN), from the
     prepared gate or the raw projection (``FusedGate``); 0 for an inactive token, whose update
     must leave the state bit-identical (decay exp(0) = 1, and u = 0 with k = 0)."""
@@ -244,6 +247,8 @@ def _token_log_decay(g, offset, offs_k, active, A, bias, lower_bound, PER_CHANNE
             b_g = b_g + bias
         if SAFE_GATE:
             b_g = lower_bound * tl.sigmoid(A * b_g)
+        elif FAST_LOG:
+            b_g = -A * _stable_softplus(b_g, True)
         else:
             b_g = -A * _softplus(b_g)
     return tl.where(active, b_g, 0.0)
@@ -268,7 +273,7 @@ def _delta_rule_recurrent_kernel(
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, LV: tl.constexpr, KL: tl.constexpr, NORM_ON_ROWS: tl.constexpr, OP: tl.constexpr,
     PER_CHANNEL_GATE: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_L2NORM: tl.constexpr,
-    BETA_LOGITS: tl.constexpr, SAVED_U: tl.constexpr, UNROLL: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, SAVED_U: tl.constexpr, UNROLL: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
     i_nh, i_v = head_and_tile(V, BV)
     i_n = i_nh // HV
@@ -305,7 +310,7 @@ def _delta_rule_recurrent_kernel(
                                            active, 1.0, K, LV, KL, QK_L2NORM, NORM_ON_ROWS)
             b_g = _token_log_decay(pending_g, i_n64 * stride_pg_n + t * stride_pg_t + i_hv * stride_pg_h, offs_k,
                                    active, A, bias, lower_bound, PER_CHANNEL_GATE, FUSED_GATE, SAFE_GATE,
-                                   dt_bias is not None)
+                                   dt_bias is not None, FAST_LOG)
             u = tl.load(pending_u + i_n64 * stride_pu_n + t * stride_pu_t + i_hv * stride_pu_h + offs_v, mask=active,
                         other=0.0)
             h = h * tl.exp(b_g)
@@ -319,7 +324,7 @@ def _delta_rule_recurrent_kernel(
                                        1.0, K, LV, KL, QK_L2NORM, NORM_ON_ROWS)
         u_off = i_n64 * stride_u_n + t * stride_u_t + i_hv * stride_u_h + offs_v
         b_g = _token_log_decay(g, i_n64 * stride_g_n + t * stride_g_t + i_hv * stride_g_h, offs_k, active, A, bias,
-                               lower_bound, PER_CHANNEL_GATE, FUSED_GATE, SAFE_GATE, dt_bias is not None)
+                               lower_bound, PER_CHANNEL_GATE, FUSED_GATE, SAFE_GATE, dt_bias is not None, FAST_LOG)
         h = h * tl.exp(b_g)  # b_g: [LV, 1, K // KL, KL] (KDA) or a scalar (GDN)
 
         if (OP == OP_COMMIT) and SAVED_U:
@@ -410,6 +415,17 @@ def block_v(N: int, HV: int, K: int, V: int, device: torch.device, op: str = "de
         bv = 32
     bv = min(bv, V)
     return bv, max(1, K * bv // 4096)
+
+
+def fast_log(per_channel_gate: bool, op: str, input_dtype: torch.dtype) -> bool:
+    """Whether a fused gate's softplus takes its log on the SFU (``chunk_triton._softplus``): KDA's
+    verifies and commits with bf16 / fp16 inputs (an error of about 1e-7 in the log decay, far
+    below their tolerance), not under the interpreter (no inline assembly). H200, B = 64, T = 4,
+    us, libdevice log -> SFU: bfloat16 pool deferred verify + commit 139.6 -> 135.2, with a
+    pending commit 135.9 -> 130.3, buffer 151.3 -> 146.3, slots 153.4 -> 148.8; float32 pool
+    177.2 -> 175.5, 144.3 -> 132.9, 256.2 -> 254.7, 258.1 -> 254.8. The decode keeps
+    ``_softplus``, and so does GDN (see there)."""
+    return per_channel_gate and op != "decode" and input_dtype != torch.float32 and not triton.knobs.runtime.interpret
 
 
 def token_unroll(T: int, BV: int) -> int:
@@ -521,6 +537,7 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
             H=H, HV=HV, K=K, V=V, BV=bv, PER_CHANNEL_GATE=per_channel, FUSED_GATE=gate is not None,
             SAFE_GATE=gate is not None and gate.lower_bound is not None, QK_L2NORM=recipe.qk_l2norm,
             BETA_LOGITS=recipe.beta_logits, SAVED_U=saved_u is not None, UNROLL=token_unroll(T, bv),
+            FAST_LOG=fast_log(per_channel, op, k.dtype),
             num_warps=num_warps, **kernel_args,
         )
     if target is not out:
