@@ -1,7 +1,7 @@
 """The triton backend's decode, verify and commit under Triton's interpreter, against the float64
 oracle: every mode, both pool dtypes, GVA and MHA heads, several V-tiles, permuted and padded
 (NaN-poisoned) slots, strided pools and inputs, the three MTP protocols with every accepted length,
-the fused gates. Shapes are small: the interpreter runs each program in Python."""
+the fused gates, decays whose products underflow float32. Shapes are small: the interpreter runs each program in Python."""
 import dataclasses
 import os
 import sys
@@ -317,6 +317,38 @@ def test_verify_equals_decode_steps(mode, generator):
         same(o, steps_o, "deferred outputs")
         cula_commit(pending, torch.full((N,), a, dtype=torch.int32))
         same(work[slots[live].long()], states[a - 1] if a else pool[slots[live].long()], f"commit({a})")
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
+def test_strong_decays_through_deferred_verify_pending_and_commit(mode, generator):
+    """Log decays 30 below the drawn ones on tokens 1, 2 and 3 (in every channel for KDA): their
+    products fall below float32's normal range within the verify. A deferred verify, one that
+    commits it first (``pending=``) and the last commit, float32 inputs and pool, against the
+    oracle at 1e-5, every accepted count 0..T across the rows. Guards the forms that factor decays
+    out of the state (a folded scalar product, as the CuTe DSL kernel holds it; exp(-G) factors),
+    which must apply them before they leave float32's range: a fold without that step failed here."""
+    T = 4
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    live = slots[slots >= 0].long()
+    accepted = [torch.tensor(counts, dtype=torch.int32) for counts in ([3, 0, 2, 4, 1, 2], [4, 2, 1, 0, 3, 2])]
+    pool, _ = _pool(GVA, torch.float32, [s for s in SLOTS if s >= 0], generator)
+    ref_pool = pool.double()
+    pending = ref_pending = None
+    for step in range(2):
+        kw = random_inputs(mode, (len(SLOTS), T), **GVA, dtype=torch.float32, generator=generator, fused_gate=False)
+        kw["g"][:, 1:4] -= 30.0
+        q, k, v, rest = _split(kw)
+        commit_first = {} if pending is None else dict(pending=pending, num_accepted_tokens=accepted[0])
+        o, pending = cula_verify(q, k, v, pool, mode=mode, state_indices=slots, **commit_first, **rest, **TRITON)
+        if ref_pending is not None:
+            cula_commit(ref_pending, accepted[0], algorithm="recurrent", compute_dtype=torch.float64)
+        q, k, v, rest = _split(to_float64(kw))
+        ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
+        assert_close(o, ref_o, 1e-5, f"step {step} outputs")
+        assert_close(pool[live], ref_pool[live], 1e-5, f"step {step} states")
+    cula_commit(pending, accepted[1])
+    cula_commit(ref_pending, accepted[1], algorithm="recurrent", compute_dtype=torch.float64)
+    _assert_same_writes(pool, ref_pool, 1e-5, "pool after the last commit")
 
 
 @pytest.mark.parametrize("mode", ["gdn", "kda"])
