@@ -1,7 +1,8 @@
 """The triton backend's decode, verify and commit under Triton's interpreter, against the float64
 oracle: every mode, both pool dtypes, GVA and MHA heads, several V-tiles, permuted and padded
 (NaN-poisoned) slots, strided pools and inputs, the three MTP protocols with every accepted length,
-the fused gates, decays whose products underflow float32. Shapes are small: the interpreter runs each program in Python."""
+the fused gates, decays whose products underflow float32. Shapes are small: the interpreter runs
+each program in Python."""
 import dataclasses
 import os
 import sys
