@@ -5,8 +5,8 @@ another type inside an ``if``, for one), which would then fail on the first GPU 
 A fresh process without ``TRITON_INTERPRET`` runs the Level-1 API on CPU tensors with the
 launches recorded instead of run (prefill of GDN, KDA and Lightning with bf16 and float32
 inputs, checkpoints and segments; KDA's operands for the cute backend's state pass; decode;
-verify in the three protocols and commit), then compiles each distinct launch (75: about 85 s on
-one core) for sm_90 with its arguments' types, constexprs and options."""
+verify in the three protocols, with a pending commit, and commit), then compiles each distinct
+launch (79: about 85 s on one core) for sm_90 with its arguments' types, constexprs and options."""
 import os
 import subprocess
 import sys
@@ -81,6 +81,9 @@ for mode, prefill in (("gdn", cula_gdn), ("kda", cula_kda), ("lightning", cula_l
         accepted = torch.tensor([2, 0, 4], dtype=torch.int32)
         _, pending = cula_verify(q, k, v, pool, mode=mode, protocol="deferred", state_indices=slots, **kw, **TRITON)
         cula_commit(pending, accepted)
+        _, pending = cula_verify(q, k, v, pool, mode=mode, protocol="deferred", state_indices=slots, **kw, **TRITON)
+        cula_verify(q, k, v, pool, mode=mode, state_indices=slots, pending=pending, num_accepted_tokens=accepted,
+                    **kw, **TRITON)
         buffer = torch.zeros(3, 4, 8, 128, 128, dtype=state_dtype)
         _, pending = cula_verify(q, k, v, pool, mode=mode, protocol="buffer", state_indices=slots,
                                  intermediate_states=buffer, intermediate_indices=torch.arange(3, dtype=torch.int32),

@@ -428,6 +428,20 @@ def fast_log(per_channel_gate: bool, op: str, input_dtype: torch.dtype) -> bool:
     return per_channel_gate and op != "decode" and input_dtype != torch.float32 and not triton.knobs.runtime.interpret
 
 
+def register_cap(op: str, per_channel_gate: bool, pending: bool, state_dtype: torch.dtype) -> dict:
+    """The launch option ``maxnreg`` where a cap pays: 128 registers for KDA with a bfloat16 pool,
+    on its deferred verify with a pending commit (201 registers uncapped on an sm_90 compile, 9
+    one-warp programs an SM; 128: 16, no spills) and on its commit. H200, T = 4, per layer of a
+    16-layer graph, us, B = 64 / 256: pending verify 130.5 / 498.3 -> 119.8 / 464.9; deferred verify
+    + commit 135.3 / 518.5 -> 132.2 / 506.3 with the commit capped (136.2 / 519.9 with the verify
+    capped instead). Lost or tied elsewhere: float32 pool pending 133.1 -> 134.6, commit 175.3 ->
+    218.8 (B = 64); GDN's pending verify (167 registers) 94.6 -> 94.4 with a bfloat16 pool, 122.5 ->
+    130.6 with a float32 one; caps of 104 or 96 lost everywhere, up to 4x at B = 256 (float32)."""
+    if per_channel_gate and state_dtype != torch.float32 and (op == "commit" or (op == "deferred" and pending)):
+        return dict(maxnreg=128)
+    return {}
+
+
 def token_unroll(T: int, BV: int) -> int:
     """How far the token loop is unrolled (the next tokens' loads issue before this token's
     reductions finish). Measured on an H200, fp32 pool: at T = 4, B = 64 (8-column tiles) GDN
@@ -538,7 +552,8 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
             SAFE_GATE=gate is not None and gate.lower_bound is not None, QK_L2NORM=recipe.qk_l2norm,
             BETA_LOGITS=recipe.beta_logits, SAVED_U=saved_u is not None, UNROLL=token_unroll(T, bv),
             FAST_LOG=fast_log(per_channel, op, k.dtype),
-            num_warps=num_warps, **kernel_args,
+            num_warps=num_warps, **register_cap(op, per_channel, pending is not None, state_pool.dtype),
+            **kernel_args,
         )
     if target is not out:
         out.copy_(target)
