@@ -24,9 +24,11 @@ into LV groups along V and KL / 4 along K (4 contiguous floats each; the K // KL
 registers) leaves BV / LV columns per lane and log2(KL / 4) rounds, at the price of each lane
 handling K // (KL / 4) channels of every per-token K-vector (q, k, KDA's gate) instead of 4.
 For a scalar gate that trade wins (GDN verify B = 64, T = 4: 99.0 -> 86.1 us with LV = 2,
-KL = 64); KDA's per-channel gate (three transcendentals per channel per token) makes it lose
-(117.7 -> 129.8 us), and a commit from saved u has no reductions left, so both keep LV = 1,
-KL = K, the plain layout.
+KL = 64); KDA's per-channel gate formed in the kernel (three transcendentals per channel per
+token) makes it lose (117.7 -> 129.8 us). So KDA's deferred verify reads its decays, formed once
+per token and head by a launch before it (``channel_decays``, ``uses_channel_decays``), and takes
+the split layout; where KDA forms its gate in the kernel it keeps LV = 1, KL = K, the plain
+layout, and so does a commit from saved u, which has no reductions left.
 
 The pool is ``[P, HV, V, K]`` (K-last, ``pool[slot, hv, v, k] == S[k, v]``), float32 or bfloat16
 (loaded to float32, rounded to the pool dtype on store); dim 0 may have any stride (vLLM pages),
@@ -274,6 +276,7 @@ def _delta_rule_recurrent_kernel(
     BV: tl.constexpr, LV: tl.constexpr, KL: tl.constexpr, NORM_ON_ROWS: tl.constexpr, OP: tl.constexpr,
     PER_CHANNEL_GATE: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_L2NORM: tl.constexpr,
     BETA_LOGITS: tl.constexpr, SAVED_U: tl.constexpr, UNROLL: tl.constexpr, FAST_LOG: tl.constexpr,
+    DECAYS: tl.constexpr,
 ):
     i_nh, i_v = head_and_tile(V, BV)
     i_n = i_nh // HV
@@ -291,7 +294,7 @@ def _delta_rule_recurrent_kernel(
 
     A = 1.0
     bias = 0.0
-    if FUSED_GATE:
+    if FUSED_GATE and not DECAYS:
         A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if dt_bias is not None:
             if PER_CHANNEL_GATE:
@@ -308,12 +311,20 @@ def _delta_rule_recurrent_kernel(
             active = t < pending_count
             k_t, k_norm = load_head_vector(pending_k, i_n64 * stride_pk_n + t * stride_pk_t + i_h * stride_pk_h,
                                            active, 1.0, K, LV, KL, QK_L2NORM, NORM_ON_ROWS)
-            b_g = _token_log_decay(pending_g, i_n64 * stride_pg_n + t * stride_pg_t + i_hv * stride_pg_h, offs_k,
-                                   active, A, bias, lower_bound, PER_CHANNEL_GATE, FUSED_GATE, SAFE_GATE,
-                                   dt_bias is not None, FAST_LOG)
+            g_offset = i_n64 * stride_pg_n + t * stride_pg_t + i_hv * stride_pg_h
+            # b_g: KDA's decay already formed with DECAYS (``channel_decays``; 1 for an inactive
+            # token), else the log decay (the statements' order kept: see ``uses_channel_decays``)
+            if DECAYS:
+                b_g = tl.load(pending_g + g_offset + offs_k, mask=active, other=1.0)
+            else:
+                b_g = _token_log_decay(pending_g, g_offset, offs_k, active, A, bias, lower_bound, PER_CHANNEL_GATE,
+                                       FUSED_GATE, SAFE_GATE, dt_bias is not None, FAST_LOG)
             u = tl.load(pending_u + i_n64 * stride_pu_n + t * stride_pu_t + i_hv * stride_pu_h + offs_v, mask=active,
                         other=0.0)
-            h = h * tl.exp(b_g)
+            if DECAYS:
+                h = h * b_g
+            else:
+                h = h * tl.exp(b_g)
             h = h + (u * k_norm)[:, :, None, None] * k_t
         h = h.to(pool.dtype.element_ty).to(tl.float32)
         tl.store(pool + slot.to(tl.int64) * stride_pool + tile, h.to(pool.dtype.element_ty), mask=pending_count > 0)
@@ -323,9 +334,13 @@ def _delta_rule_recurrent_kernel(
         k_t, k_norm = load_head_vector(k, i_n64 * stride_k_n + t * stride_k_t + i_h * stride_k_h, active,
                                        1.0, K, LV, KL, QK_L2NORM, NORM_ON_ROWS)
         u_off = i_n64 * stride_u_n + t * stride_u_t + i_hv * stride_u_h + offs_v
-        b_g = _token_log_decay(g, i_n64 * stride_g_n + t * stride_g_t + i_hv * stride_g_h, offs_k, active, A, bias,
-                               lower_bound, PER_CHANNEL_GATE, FUSED_GATE, SAFE_GATE, dt_bias is not None, FAST_LOG)
-        h = h * tl.exp(b_g)  # b_g: [LV, 1, K // KL, KL] (KDA) or a scalar (GDN)
+        g_offset = i_n64 * stride_g_n + t * stride_g_t + i_hv * stride_g_h
+        if DECAYS:
+            h = h * tl.load(g + g_offset + offs_k, mask=active, other=1.0)
+        else:
+            b_g = _token_log_decay(g, g_offset, offs_k, active, A, bias, lower_bound, PER_CHANNEL_GATE, FUSED_GATE,
+                                   SAFE_GATE, dt_bias is not None, FAST_LOG)
+            h = h * tl.exp(b_g)  # b_g: [LV, 1, K // KL, KL] (KDA) or a scalar (GDN)
 
         if (OP == OP_COMMIT) and SAVED_U:
             u = tl.load(saved_u + u_off, mask=active, other=0.0)
@@ -353,6 +368,31 @@ def _delta_rule_recurrent_kernel(
                           stride_pool, stride_buf_r, stride_buf_t, stride_idx_n, stride_idx_t, OP)
 
     store_final_state(h, pool, slot, stride_pool, tile, count, OP)
+
+
+@triton.jit
+def _channel_decay_kernel(g, A_log, dt_bias, decay, lower_bound, rows, stride_g_n, stride_g_t, stride_g_h,
+                          T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                          FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                          FAST_LOG: tl.constexpr):
+    """decay[n, t, hv, :] = exp(KDA's log decay of g[n, t, hv, :]) (``_token_log_decay``), BLOCK_ROWS
+    rows (n, t, hv) a program, into a contiguous float32 [N, T, HV, K]."""
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = row < rows
+    n = row // (T * HV)
+    t = row // HV % T
+    hv = row % HV
+    ks = tl.arange(0, K)
+    A = 1.0
+    bias = 0.0
+    if FUSED_GATE:
+        A = tl.exp(tl.load(A_log + hv, mask=live, other=0.0).to(tl.float32))[:, None]
+        if HAS_DT_BIAS:
+            bias = tl.load(dt_bias + hv[:, None] * K + ks[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    offset = n.to(tl.int64) * stride_g_n + t * stride_g_t + hv * stride_g_h
+    log_decay = _token_log_decay(g, offset[:, None], ks[None, :], live[:, None], A, bias, lower_bound, True,
+                                 FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, FAST_LOG)
+    tl.store(decay + row.to(tl.int64)[:, None] * K + ks[None, :], tl.exp(log_decay), mask=live[:, None])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -432,14 +472,56 @@ def register_cap(op: str, per_channel_gate: bool, pending: bool, state_dtype: to
     """The launch option ``maxnreg`` where a cap pays: 128 registers for KDA with a bfloat16 pool,
     on its deferred verify with a pending commit (201 registers uncapped on an sm_90 compile, 9
     one-warp programs an SM; 128: 16, no spills) and on its commit. H200, T = 4, per layer of a
-    16-layer graph, us, B = 64 / 256: pending verify 130.5 / 498.3 -> 119.8 / 464.9; deferred verify
-    + commit 135.3 / 518.5 -> 132.2 / 506.3 with the commit capped (136.2 / 519.9 with the verify
-    capped instead). Lost or tied elsewhere: float32 pool pending 133.1 -> 134.6, commit 175.3 ->
-    218.8 (B = 64); GDN's pending verify (167 registers) 94.6 -> 94.4 with a bfloat16 pool, 122.5 ->
-    130.6 with a float32 one; caps of 104 or 96 lost everywhere, up to 4x at B = 256 (float32)."""
+    16-layer graph, us, B = 64 / 256, with the gate formed in the kernel: pending verify 130.5 /
+    498.3 -> 119.8 / 464.9; deferred verify + commit 135.3 / 518.5 -> 132.2 / 506.3 with the commit
+    capped (136.2 / 519.9 with the verify capped instead); reading ``channel_decays``, the commit
+    capped: 118.5 / 425.9 -> 114.0 / 407.7. Lost or tied elsewhere: float32 pool pending 133.1 ->
+    134.6, commit 175.3 -> 218.8 (B = 64); GDN's pending verify (167 registers) 94.6 -> 94.4 with a
+    bfloat16 pool, 122.5 -> 130.6 with a float32 one; caps of 104 or 96 lost everywhere, up to 4x
+    at B = 256 (float32)."""
     if per_channel_gate and state_dtype != torch.float32 and (op == "commit" or (op == "deferred" and pending)):
         return dict(maxnreg=128)
     return {}
+
+
+def uses_channel_decays(op: str, pending: bool, state_dtype: torch.dtype) -> bool:
+    """Whether KDA's ``op`` reads its decays from ``channel_decays`` instead of forming the gate in
+    the kernel: its commits, its deferred verifies (which then take the split layout, ``tile_split``)
+    and, with a bfloat16 pool, its verifies with a pending commit. H200, T = 4, per layer of a
+    16-layer graph, us, B = 64 / 256, gate in the kernel -> decays read: deferred verify + commit
+    bfloat16 pool 132.1 / 505.9 -> 113.7 / 407.8, float32 175.0 / 638.1 -> 159.7 / 561.9; pending
+    verify (plain layout) bfloat16 119.9 / 464.6 -> 117.8 / 445.6. A float32 pool's pending verify
+    keeps the gate in the kernel (216 registers: a reordering of its gate code alone took it from
+    132.9 to 153.7 us), and the buffer / slots verifies too (bfloat16 146.4 / 563.4 -> 145.0 /
+    545.4, float32 254.8 / 986.7 -> 256.5 / 994.1: mixed); the decode (no launch to spare) as well."""
+    return op == "commit" or (op == "deferred" and (not pending or state_dtype != torch.float32))
+
+
+def channel_decays(recipe, g: torch.Tensor, log_on_sfu: bool) -> torch.Tensor:
+    """KDA's per-channel decays exp(g) of g [N, T, HV, K] (the log decay, or the raw projection with
+    ``recipe.fused_gate``, as the recurrent kernel reads it) as a new contiguous float32 [N, T, HV, K];
+    ``log_on_sfu`` as ``fast_log``.
+
+    The verifies and commits read these instead of forming the gate in every program: a lane
+    holds K / 32 channels in the plain layout but K / (KL / 4) in the split one, and all V / BV
+    programs of a head repeat it, so with the gate formed in the kernel KDA kept the plain layout
+    (``tile_split``) and its shuffle trees. One launch of N * T * HV rows before the kernel."""
+    N, T, HV, K = g.shape
+    gate = recipe.fused_gate
+    decay = torch.empty(N, T, HV, K, dtype=torch.float32, device=g.device)
+    rows = N * T * HV
+    block_rows = max(1, 2048 // K)
+    with device_guard(g.device):
+        _channel_decay_kernel[(triton.cdiv(rows, block_rows),)](
+            g, None if gate is None else gate.A_log.contiguous(),
+            None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous(), decay,
+            gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0, rows, *strides3(g),
+            T=T, HV=HV, K=K, BLOCK_ROWS=block_rows, FUSED_GATE=gate is not None,
+            SAFE_GATE=gate is not None and gate.lower_bound is not None,
+            HAS_DT_BIAS=gate is not None and gate.dt_bias is not None, FAST_LOG=log_on_sfu,
+            num_warps=4,
+        )
+    return decay
 
 
 def token_unroll(T: int, BV: int) -> int:
@@ -451,10 +533,12 @@ def token_unroll(T: int, BV: int) -> int:
     return T if T <= 4 and BV <= 16 else 1
 
 
-def tile_split(K: int, BV: int, per_channel_gate: bool, op: str) -> dict:
+def tile_split(K: int, BV: int, plain: bool, op: str) -> dict:
     """LV (lane groups along V) and KL (channels per chunk) of the [LV, BV // LV, K // KL, KL]
-    state block; see the module docstring. Reductions over K with a scalar gate: 16 lanes x 4
-    channels along K, the rest of the warp along V; otherwise the plain [BV, K] layout.
+    state block; see the module docstring. Reductions over K: 16 lanes x 4 channels along K, the
+    rest of the warp along V; the plain [BV, K] layout for a commit and where ``plain`` (KDA with
+    its gate formed in the kernel, and with a pending commit: reading ``channel_decays`` there,
+    the split layout took the bfloat16 pool's pending verify from 120.0 to 127.9 us at B = 64).
 
     NORM_ON_ROWS: q's and k's l2norm and q's scale multiply whichever a lane holds fewer of, its
     rows or its channels of the vector (H200, B = 64, T = 4, GDN verify: 86.4 -> 82.6 us on the
@@ -467,7 +551,7 @@ def tile_split(K: int, BV: int, per_channel_gate: bool, op: str) -> dict:
     a pending commit 101.8 -> 98.2, 381.4 -> 359.0; 4 lanes along K lost: 112.5 / 117.4 at B = 64).
     Ops that store states keep 16 lanes along K: the buffer protocol lost 2-6 % with 8 (shorter
     store runs)."""
-    if per_channel_gate or op == "commit":
+    if plain or op == "commit":
         LV, KL = 1, K
     else:
         KL = min(K, 32 if op == "deferred" and BV >= 16 else 64)
@@ -539,6 +623,13 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
     dt_bias = None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous()
     target = output_target(out)
     check_saved_u(saved_u, op, (N, T, HV, V))
+    decays = per_channel and uses_channel_decays(op, pending is not None, state_pool.dtype)
+    plain = per_channel and (not decays or pending is not None)
+    log_on_sfu = fast_log(per_channel, op, k.dtype)
+    if decays:
+        g = channel_decays(recipe, g, log_on_sfu)
+        if pending is not None:
+            pending_g = channel_decays(recipe, pending_g, log_on_sfu)
     bv, num_warps = block_v(N, HV, K, V, v.device, op, recipe.mode, state_pool.dtype)
     with device_guard(v.device):
         _delta_rule_recurrent_kernel[(N * HV * (V // bv),)](
@@ -546,12 +637,12 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
             pending_k, pending_g, pending_u,
             *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta), *strides3(target),
             *strides3(saved_u), *strides3(pending_k), *strides3(pending_g), *strides3(pending_u),
-            T=T, TP=TP, scale=recipe.scale, **tile_split(K, bv, per_channel, op),
+            T=T, TP=TP, scale=recipe.scale, **tile_split(K, bv, plain, op),
             lower_bound=gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0,
             H=H, HV=HV, K=K, V=V, BV=bv, PER_CHANNEL_GATE=per_channel, FUSED_GATE=gate is not None,
             SAFE_GATE=gate is not None and gate.lower_bound is not None, QK_L2NORM=recipe.qk_l2norm,
             BETA_LOGITS=recipe.beta_logits, SAVED_U=saved_u is not None, UNROLL=token_unroll(T, bv),
-            FAST_LOG=fast_log(per_channel, op, k.dtype),
+            FAST_LOG=log_on_sfu, DECAYS=decays,
             num_warps=num_warps, **register_cap(op, per_channel, pending is not None, state_pool.dtype),
             **kernel_args,
         )
