@@ -421,7 +421,10 @@ def block_v(N: int, HV: int, K: int, V: int, device: torch.device, op: str = "de
       132.1 / 470.5 with 16). With 16, T = 4 with a pending commit at B = 64: GDN bfloat16 112.4 ->
       101.7, KDA float32 166.0 -> 147.3, bfloat16 165.7 -> 137.3; at B = 256 against 32: GDN
       bfloat16 394.9 -> 378.5, KDA 606.0 -> 547.6 and 567.6 -> 535.6; the buffer verify, KDA
-      bfloat16 B = 256, 663.4 -> 578.3 (8: 610.4), the others within 1 %.
+      bfloat16 B = 256, 663.4 -> 578.3 (8: 610.4), the others within 1 %. KDA's deferred verify
+      reading ``channel_decays`` (2026-11-28, T = 4, verify + commit, B = 64 / 256, 16 columns
+      against 8 and 32): bfloat16 112.8 / 404.6 against 121.6 / 451.1 and 120.3 / 427.3, float32
+      158.9 / 559.0 against 164.7 / 592.8 and 161.6 / 566.4.
     - Lightning's verifies keep the grown width (bfloat16 B = 256 with a pending commit: 612.7 us
       with 32 against 689.7 with 16); its deferred verify takes 32 from 2048 heads (2026-11-27, B =
       64, T = 4 with a pending commit: bfloat16 187.6 -> 172.9, float32 258.3 -> 245.1; the buffer
