@@ -3,7 +3,8 @@ interpreter (``TRITON_INTERPRET=1``, small shapes, tests only).
 
     prefill  kernels/delta_rule/chunk_triton.py (gdn, kda), kernels/lightning/chunk_triton.py
     decode, verify, deferred commit
-             kernels/delta_rule/recurrent_triton.py (gdn and kda: one kernel),
+             kernels/delta_rule/recurrent_triton.py (gdn and kda: one kernel; KDA's
+             deferred verify and commit first form its decays in a launch of their own),
              kernels/lightning/recurrent_triton.py
     buffer / slots commit
              a state copy kernel (``copy_committed_states``)
