@@ -494,9 +494,11 @@ def uses_channel_decays(op: str, pending: bool, state_dtype: torch.dtype) -> boo
     16-layer graph, us, B = 64 / 256, gate in the kernel -> decays read: deferred verify + commit
     bfloat16 pool 132.1 / 505.9 -> 113.7 / 407.8, float32 175.0 / 638.1 -> 159.7 / 561.9; pending
     verify (plain layout) bfloat16 119.9 / 464.6 -> 117.8 / 445.6. A float32 pool's pending verify
-    keeps the gate in the kernel (216 registers: a reordering of its gate code alone took it from
-    132.9 to 153.7 us), and the buffer / slots verifies too (bfloat16 146.4 / 563.4 -> 145.0 /
-    545.4, float32 254.8 / 986.7 -> 256.5 / 994.1: mixed); the decode (no launch to spare) as well."""
+    keeps the gate in the kernel: reading decays in the split layout it lost (133.1 -> 148.2 at
+    B = 64), and in the plain one it was only measured together with a reordering of the gate
+    code that alone took the unchanged path from 132.9 to 153.7 us (216 registers), so its
+    statements keep their old order. The buffer / slots verifies keep it too (bfloat16 146.4 /
+    563.4 -> 145.0 / 545.4, float32 254.8 / 986.7 -> 256.5 / 994.1: mixed), and the decode."""
     return op == "commit" or (op == "deferred" and (not pending or state_dtype != torch.float32))
 
 
