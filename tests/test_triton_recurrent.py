@@ -353,6 +353,46 @@ def test_strong_decays_through_deferred_verify_pending_and_commit(mode, generato
 
 
 @pytest.mark.parametrize("mode", ["gdn", "kda"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_gates_of_masked_tokens_never_reach_the_pool(mode, state_dtype, generator):
+    """NaN gates on the padding row and on the tokens past each row's accepted count, set after
+    the deferred verify that read the clean ones: the commit, and a verify that commits it first
+    (``pending=``), must leave the same pool and outputs as with the clean gates. KDA forms its
+    decays for every token in a launch of their own (``channel_decays``), masked ones included;
+    only the kernel's masked loads keep those out."""
+    T = 4
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    accepted = torch.tensor([3, 0, 2, 4, 1, 2], dtype=torch.int32)
+    masked = torch.arange(T)[None, :] >= accepted[:, None]
+    masked[PAD] = True
+    pool, _ = _pool(GVA, state_dtype, [s for s in SLOTS if s >= 0], generator)
+    kw = random_inputs(mode, (len(SLOTS), T), **GVA, generator=generator)
+    q, k, v, rest = _split(kw)
+    results = {}
+    for poisoned in (False, True):
+        outcome = []
+        for commit_first in (False, True):  # a separate commit, or the next verify's
+            work = pool.clone()
+            # the first verify's own gates (its PendingCommit keeps them), poisoned after it ran
+            first = dict(rest, g=rest["g"].clone())
+            _, pending = cula_verify(q, k, v, work, mode=mode, protocol="deferred", state_indices=slots, **first,
+                                     **TRITON)
+            if poisoned:
+                first["g"][masked] = float("nan")
+                assert torch.isnan(pending.g).any(), "the poison must reach what the commit reads"
+            if commit_first:
+                o, _ = cula_verify(q, k, v, work, mode=mode, state_indices=slots, pending=pending,
+                                   num_accepted_tokens=accepted, **rest, **TRITON)
+                outcome.append(o)
+            else:
+                cula_commit(pending, accepted)
+            outcome.append(work)
+        results[poisoned] = outcome
+    for clean, dirty in zip(results[False], results[True]):
+        assert torch.equal(clean.nan_to_num(7.0), dirty.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("mode", ["gdn", "kda"])
 def test_deferred_commit_applies_the_verify_u(mode, generator):
     """A deferred delta-rule verify keeps every token's u = beta (v - S^T k) (zeros on padding
     rows) and its commit applies those instead of recomputing them: the same states as the
