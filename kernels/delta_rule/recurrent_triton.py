@@ -510,7 +510,8 @@ def channel_decays(recipe, g: torch.Tensor, log_on_sfu: bool) -> torch.Tensor:
     The verifies and commits read these instead of forming the gate in every program: a lane
     holds K / 32 channels in the plain layout but K / (KL / 4) in the split one, and all V / BV
     programs of a head repeat it, so with the gate formed in the kernel KDA kept the plain layout
-    (``tile_split``) and its shuffle trees. One launch of N * T * HV rows before the kernel."""
+    (``tile_split``) and its shuffle trees. One launch of N * T * HV rows before the kernel; 4 K
+    bytes per token and value head, as long as the call (a deferred verify's saved u is 4 V)."""
     N, T, HV, K = g.shape
     gate = recipe.fused_gate
     decay = torch.empty(N, T, HV, K, dtype=torch.float32, device=g.device)
