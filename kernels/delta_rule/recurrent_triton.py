@@ -79,7 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_triton import _softplus as _stable_softplus
+from .chunk_triton import _gate_params, _softplus as _stable_softplus
 from ..common.pool_protocol import (OPS, check_pending, check_protocol, check_saved_u, check_state_layout,
                                     output_target, strides3, unit_last)
 
@@ -513,19 +513,14 @@ def channel_decays(recipe, g: torch.Tensor, log_on_sfu: bool) -> torch.Tensor:
     (``tile_split``) and its shuffle trees. One launch of N * T * HV rows before the kernel; 4 K
     bytes per token and value head, as long as the call (a deferred verify's saved u is 4 V)."""
     N, T, HV, K = g.shape
-    gate = recipe.fused_gate
+    A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, g.device)
     decay = torch.empty(N, T, HV, K, dtype=torch.float32, device=g.device)
     rows = N * T * HV
     block_rows = max(1, 2048 // K)
     with device_guard(g.device):
         _channel_decay_kernel[(triton.cdiv(rows, block_rows),)](
-            g, None if gate is None else gate.A_log.contiguous(),
-            None if gate is None or gate.dt_bias is None else gate.dt_bias.contiguous(), decay,
-            gate.lower_bound if gate is not None and gate.lower_bound is not None else 0.0, rows, *strides3(g),
-            T=T, HV=HV, K=K, BLOCK_ROWS=block_rows, FUSED_GATE=gate is not None,
-            SAFE_GATE=gate is not None and gate.lower_bound is not None,
-            HAS_DT_BIAS=gate is not None and gate.dt_bias is not None, FAST_LOG=log_on_sfu,
-            num_warps=4,
+            g, A_log, dt_bias, decay, lower_bound, rows, *strides3(g),
+            T=T, HV=HV, K=K, BLOCK_ROWS=block_rows, FAST_LOG=log_on_sfu, num_warps=4, **gate_flags,
         )
     return decay
 
