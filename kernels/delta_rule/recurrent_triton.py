@@ -25,10 +25,11 @@ registers) leaves BV / LV columns per lane and log2(KL / 4) rounds, at the price
 handling K // (KL / 4) channels of every per-token K-vector (q, k, KDA's gate) instead of 4.
 For a scalar gate that trade wins (GDN verify B = 64, T = 4: 99.0 -> 86.1 us with LV = 2,
 KL = 64); KDA's per-channel gate formed in the kernel (three transcendentals per channel per
-token) makes it lose (117.7 -> 129.8 us). So KDA's deferred verify reads its decays, formed once
-per token and head by a launch before it (``channel_decays``, ``uses_channel_decays``), and takes
-the split layout; where KDA forms its gate in the kernel it keeps LV = 1, KL = K, the plain
-layout, and so does a commit from saved u, which has no reductions left.
+token) makes it lose (117.7 -> 129.8 us). So KDA's deferred verifies (with a bfloat16 pool also those
+with a pending commit) read their decays, formed once per token and head by a launch before them
+(``channel_decays``, ``uses_channel_decays``), and take the split layout; where KDA forms its gate
+in the kernel it keeps LV = 1, KL = K, the plain layout, and so does a commit from saved u, which
+has no reductions left.
 
 The pool is ``[P, HV, V, K]`` (K-last, ``pool[slot, hv, v, k] == S[k, v]``), float32 or bfloat16
 (loaded to float32, rounded to the pool dtype on store); dim 0 may have any stride (vLLM pages),
@@ -371,12 +372,14 @@ def _delta_rule_recurrent_kernel(
 
 
 @triton.jit
-def _channel_decay_kernel(g, A_log, dt_bias, decay, lower_bound, rows, stride_g_n, stride_g_t, stride_g_h,
-                          T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                          FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                          FAST_LOG: tl.constexpr):
-    """decay[n, t, hv, :] = exp(KDA's log decay of g[n, t, hv, :]) (``_token_log_decay``), BLOCK_ROWS
-    rows (n, t, hv) a program, into a contiguous float32 [N, T, HV, K]."""
+def _channel_decay_kernel(g_first, g, A_log, dt_bias, decay, lower_bound, rows,
+                          stride_first_n, stride_first_t, stride_first_h, stride_g_n, stride_g_t, stride_g_h,
+                          T_FIRST: tl.constexpr, T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                          BLOCK_ROWS: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr,
+                          HAS_DT_BIAS: tl.constexpr, FAST_LOG: tl.constexpr):
+    """decay[n, t, hv, :] = exp(KDA's log decay (``_token_log_decay``)) of g_first[n, t, hv, :] for
+    t < T_FIRST and of g[n, t - T_FIRST, hv, :] after, BLOCK_ROWS rows (n, t, hv) a program, into a
+    contiguous float32 [N, T, HV, K]."""
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     live = row < rows
     n = row // (T * HV)
@@ -389,9 +392,15 @@ def _channel_decay_kernel(g, A_log, dt_bias, decay, lower_bound, rows, stride_g_
         A = tl.exp(tl.load(A_log + hv, mask=live, other=0.0).to(tl.float32))[:, None]
         if HAS_DT_BIAS:
             bias = tl.load(dt_bias + hv[:, None] * K + ks[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    offset = n.to(tl.int64) * stride_g_n + t * stride_g_t + hv * stride_g_h
-    log_decay = _token_log_decay(g, offset[:, None], ks[None, :], live[:, None], A, bias, lower_bound, True,
+    own = live & (t >= T_FIRST)
+    offset = n.to(tl.int64) * stride_g_n + (t - T_FIRST) * stride_g_t + hv * stride_g_h
+    log_decay = _token_log_decay(g, offset[:, None], ks[None, :], own[:, None], A, bias, lower_bound, True,
                                  FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, FAST_LOG)
+    if T_FIRST > 0:
+        # a log decay is 0 where its token is inactive (``_token_log_decay``): the sum selects
+        offset = n.to(tl.int64) * stride_first_n + t * stride_first_t + hv * stride_first_h
+        log_decay += _token_log_decay(g_first, offset[:, None], ks[None, :], (live & (t < T_FIRST))[:, None], A,
+                                      bias, lower_bound, True, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, FAST_LOG)
     tl.store(decay + row.to(tl.int64)[:, None] * K + ks[None, :], tl.exp(log_decay), mask=live[:, None])
 
 
@@ -489,38 +498,45 @@ def register_cap(op: str, per_channel_gate: bool, pending: bool, state_dtype: to
 
 def uses_channel_decays(op: str, pending: bool, state_dtype: torch.dtype) -> bool:
     """Whether KDA's ``op`` reads its decays from ``channel_decays`` instead of forming the gate in
-    the kernel: its commits, its deferred verifies (which then take the split layout, ``tile_split``)
+    the kernel, and then takes the split layout (``tile_split``): its commits, its deferred verifies
     and, with a bfloat16 pool, its verifies with a pending commit. H200, T = 4, per layer of a
     16-layer graph, us, B = 64 / 256, gate in the kernel -> decays read: deferred verify + commit
     bfloat16 pool 132.1 / 505.9 -> 113.7 / 407.8, float32 175.0 / 638.1 -> 159.7 / 561.9; pending
-    verify (plain layout) bfloat16 119.9 / 464.6 -> 117.8 / 445.6. A float32 pool's pending verify
-    keeps the gate in the kernel: reading decays in the split layout it lost (133.1 -> 148.2 at
-    B = 64), and in the plain one it was only measured together with a reordering of the gate
-    code that alone took the unchanged path from 132.9 to 153.7 us (216 registers), so its
-    statements keep their old order. The buffer / slots verifies keep it too (bfloat16 146.4 /
-    563.4 -> 145.0 / 545.4, float32 254.8 / 986.7 -> 256.5 / 994.1: mixed), and the decode."""
+    verify, bfloat16 pool, 119.9 / 464.6 -> 117.8 / 445.6 in the plain layout, then 117.0 / 441.2
+    -> 106.0 / 400.6 in the split one (the pending and new tokens' decays in one launch). A float32
+    pool's pending verify keeps the gate in the kernel: reading decays it lost (131.9 / 485.0 ->
+    144.7 / 543.4; 216 registers, and a reordering of its gate code alone took it from 132.9 to
+    153.7 us, so its statements keep their old order). The buffer / slots verifies keep it too
+    (bfloat16 146.4 / 563.4 -> 145.0 / 545.4, float32 254.8 / 986.7 -> 256.5 / 994.1: mixed), and
+    the decode."""
     return op == "commit" or (op == "deferred" and (not pending or state_dtype != torch.float32))
 
 
-def channel_decays(recipe, g: torch.Tensor, log_on_sfu: bool) -> torch.Tensor:
+def channel_decays(recipe, g: torch.Tensor, log_on_sfu: bool, pending_g: torch.Tensor | None = None) -> torch.Tensor:
     """KDA's per-channel decays exp(g) of g [N, T, HV, K] (the log decay, or the raw projection with
     ``recipe.fused_gate``, as the recurrent kernel reads it) as a new contiguous float32 [N, T, HV, K];
-    ``log_on_sfu`` as ``fast_log``.
+    ``log_on_sfu`` as ``fast_log``. With ``pending_g`` [N, TP, HV, K] (a pending commit's gates, same
+    recipe) both in the same launch: [N, TP + T, HV, K], the pending tokens first.
 
     The verifies and commits read these instead of forming the gate in every program: a lane
     holds K / 32 channels in the plain layout but K / (KL / 4) in the split one, and all V / BV
     programs of a head repeat it, so with the gate formed in the kernel KDA kept the plain layout
-    (``tile_split``) and its shuffle trees. One launch of N * T * HV rows before the kernel; 4 K
-    bytes per token and value head, as long as the call (a deferred verify's saved u is 4 V)."""
+    (``tile_split``) and its shuffle trees. One launch of N * (TP + T) * HV rows before the kernel
+    (a verify with a pending commit in the split layout lost with one launch for each: H200, T = 4,
+    bfloat16 pool, B = 64, 120.0 -> 127.9 us); 4 K bytes per token and value head, as long as the
+    call (a deferred verify's saved u is 4 V)."""
     N, T, HV, K = g.shape
+    T_first = 0 if pending_g is None else pending_g.shape[1]
+    g_first = g if pending_g is None else pending_g
     A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, g.device)
-    decay = torch.empty(N, T, HV, K, dtype=torch.float32, device=g.device)
-    rows = N * T * HV
+    decay = torch.empty(N, T_first + T, HV, K, dtype=torch.float32, device=g.device)
+    rows = decay[..., 0].numel()
     block_rows = max(1, 2048 // K)
     with device_guard(g.device):
         _channel_decay_kernel[(triton.cdiv(rows, block_rows),)](
-            g, A_log, dt_bias, decay, lower_bound, rows, *strides3(g),
-            T=T, HV=HV, K=K, BLOCK_ROWS=block_rows, FAST_LOG=log_on_sfu, num_warps=4, **gate_flags,
+            g_first, g, A_log, dt_bias, decay, lower_bound, rows, *strides3(g_first), *strides3(g),
+            T_FIRST=T_first, T=T_first + T, HV=HV, K=K, BLOCK_ROWS=block_rows, FAST_LOG=log_on_sfu, num_warps=4,
+            **gate_flags,
         )
     return decay
 
@@ -538,8 +554,7 @@ def tile_split(K: int, BV: int, plain: bool, op: str) -> dict:
     """LV (lane groups along V) and KL (channels per chunk) of the [LV, BV // LV, K // KL, KL]
     state block; see the module docstring. Reductions over K: 16 lanes x 4 channels along K, the
     rest of the warp along V; the plain [BV, K] layout for a commit and where ``plain`` (KDA with
-    its gate formed in the kernel, and with a pending commit: reading ``channel_decays`` there,
-    the split layout took the bfloat16 pool's pending verify from 120.0 to 127.9 us at B = 64).
+    its gate formed in the kernel).
 
     NORM_ON_ROWS: q's and k's l2norm and q's scale multiply whichever a lane holds fewer of, its
     rows or its channels of the vector (H200, B = 64, T = 4, GDN verify: 86.4 -> 82.6 us on the
@@ -625,12 +640,12 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
     target = output_target(out)
     check_saved_u(saved_u, op, (N, T, HV, V))
     decays = per_channel and uses_channel_decays(op, pending is not None, state_pool.dtype)
-    plain = per_channel and (not decays or pending is not None)
+    plain = per_channel and not decays
     log_on_sfu = fast_log(per_channel, op, k.dtype)
     if decays:
-        g = channel_decays(recipe, g, log_on_sfu)
+        g = channel_decays(recipe, g, log_on_sfu, pending_g)
         if pending is not None:
-            pending_g = channel_decays(recipe, pending_g, log_on_sfu)
+            pending_g, g = g[:, :TP], g[:, TP:]
     bv, num_warps = block_v(N, HV, K, V, v.device, op, recipe.mode, state_pool.dtype)
     with device_guard(v.device):
         _delta_rule_recurrent_kernel[(N * HV * (V // bv),)](
