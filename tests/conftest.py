@@ -1,6 +1,7 @@
 """Shared test helpers: the float64 oracle, poisoned pools, tolerances, and the gpu marker."""
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 
@@ -132,3 +133,86 @@ def pytest_collection_modifyitems(config, items):
 __all__ = ["ORACLE", "PREFILL", "SMALL", "SMALL_MHA", "assert_close", "assert_same_writes", "assert_untouched",
            "oracle_pool", "poisoned_pool", "prefill_and_oracle", "prefill_call", "random_inputs", "relative_error",
            "to_float64", "tolerance"]
+
+
+@contextlib.contextmanager
+def gpu_faithful_interpreter():
+    """Patches Triton 3.6's interpreter while the block runs (test modules whose kernels use
+    bf16 / tf32 products enter it), restoring it afterwards:
+
+    - ``range`` over a runtime bound indexes a 1-element array, which numpy >= 2.4 refuses
+      (triton-lang/triton#9171): index its single element instead.
+    - ``tl.dot`` of bf16 tiles multiplies their raw uint16 bit patterns: decode them first.
+    - float32 -> bf16 casts truncate: round to nearest even, as the GPU's cvt.rn does.
+    - tf32 products are exact float32 products: drop the 13 low mantissa bits of each operand
+      first, as the tensor cores do (truncation: the pessimistic reading).
+    - every call of a @triton.jit helper re-patches triton.language (~2 ms of inspect each):
+      patch once per module per launch.
+    Without the first four, the bf16 paths would fail (or pass) for the wrong reasons.
+    """
+    import numpy as np
+    import triton
+
+    interp = triton.runtime.interpreter
+    tl = triton.language
+    saved = dict(patch_tensor=interp._patch_lang_tensor, dot=interp.InterpreterBuilder.create_dot,
+                 cast=interp.InterpreterBuilder.cast_impl, launch=interp.GridExecutor.__call__,
+                 device_call=interp.InterpretedFunction.__call__)
+
+    def patch_tensor(tensor, scope):
+        saved["patch_tensor"](tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    def bf16_to_f32(bits):
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def f32_to_bf16(x):
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+
+    def tf32(x):
+        return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a = interp.TensorHandle(bf16_to_f32(a.data), tl.float32)
+            b = interp.TensorHandle(bf16_to_f32(b.data), tl.float32)
+        elif a.dtype.scalar == tl.float32 and input_precision == interp._ir.INPUT_PRECISION.TF32:
+            a = interp.TensorHandle(tf32(a.data), tl.float32)
+            b = interp.TensorHandle(tf32(b.data), tl.float32)
+        return saved["dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interp.TensorHandle(f32_to_bf16(src.data), tl.bfloat16)
+        return saved["cast"](self, src, dst_type)
+
+    patched = set()
+
+    def launch(self, *args, **kwargs):
+        patched.clear()
+        return saved["launch"](self, *args, **kwargs)
+
+    def device_call(self, *args, **kwargs):
+        if id(self.fn.__globals__) not in patched:
+            interp._patch_lang(self.fn)
+            patched.add(id(self.fn.__globals__))
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            raise interp.InterpreterError(repr(err)) from err
+
+    interp._patch_lang_tensor = patch_tensor
+    interp.InterpreterBuilder.create_dot = create_dot
+    interp.InterpreterBuilder.cast_impl = cast_impl
+    interp.GridExecutor.__call__ = launch
+    interp.InterpretedFunction.__call__ = device_call
+    try:
+        yield
+    finally:
+        interp._patch_lang_tensor = saved["patch_tensor"]
+        interp.InterpreterBuilder.create_dot = saved["dot"]
+        interp.InterpreterBuilder.cast_impl = saved["cast"]
+        interp.GridExecutor.__call__ = saved["launch"]
+        interp.InterpretedFunction.__call__ = saved["device_call"]

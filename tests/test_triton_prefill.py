@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-import numpy as np  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from cula_serve.kernels.backends import triton_backend  # noqa: E402
@@ -26,8 +25,8 @@ from cula_serve.kernels.delta_rule import chunk_triton  # noqa: E402
 from cula_serve.kernels.delta_rule.chunk_triton import FACTOR_SPAN, _diag_block, _dot, _split_diag_block  # noqa: E402
 from cula_serve.inputs import relative_error  # noqa: E402
 
-from conftest import (ORACLE, PREFILL, assert_close, assert_same_writes, lightning_strided_views,  # noqa: E402
-                      prefill_and_oracle, prefill_call, random_inputs, to_float64, tolerance)
+from conftest import (ORACLE, PREFILL, assert_close, assert_same_writes, gpu_faithful_interpreter,  # noqa: E402
+                      lightning_strided_views, prefill_and_oracle, prefill_call, random_inputs, to_float64, tolerance)
 
 if triton_backend.availability(torch.device("cpu")):
     pytest.skip("the triton backend needs TRITON_INTERPRET=1 on the CPU (set before triton was imported)",
@@ -49,80 +48,10 @@ POOL_SIZE = 10
 
 
 @pytest.fixture(scope="module", autouse=True)
-def gpu_faithful_interpreter():
-    """Patches Triton 3.6's interpreter for this module, restoring it afterwards:
-
-    - ``range`` over a runtime bound indexes a 1-element array, which numpy >= 2.4 refuses
-      (triton-lang/triton#9171): index its single element instead.
-    - ``tl.dot`` of bf16 tiles multiplies their raw uint16 bit patterns: decode them first.
-    - float32 -> bf16 casts truncate: round to nearest even, as the GPU's cvt.rn does.
-    - tf32 products are exact float32 products: drop the 13 low mantissa bits of each operand
-      first, as the tensor cores do (truncation: the pessimistic reading).
-    - every call of a @triton.jit helper re-patches triton.language (~2 ms of inspect each):
-      patch once per module per launch.
-    Without the first four, the bf16 paths would fail (or pass) for the wrong reasons.
-    """
-    interp = triton.runtime.interpreter
-    tl = triton.language
-    saved = dict(patch_tensor=interp._patch_lang_tensor, dot=interp.InterpreterBuilder.create_dot,
-                 cast=interp.InterpreterBuilder.cast_impl, launch=interp.GridExecutor.__call__,
-                 device_call=interp.InterpretedFunction.__call__)
-
-    def patch_tensor(tensor, scope):
-        saved["patch_tensor"](tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    def bf16_to_f32(bits):
-        return (bits.astype(np.uint32) << 16).view(np.float32)
-
-    def f32_to_bf16(x):
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-
-    def tf32(x):
-        return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16:
-            a = interp.TensorHandle(bf16_to_f32(a.data), tl.float32)
-            b = interp.TensorHandle(bf16_to_f32(b.data), tl.float32)
-        elif a.dtype.scalar == tl.float32 and input_precision == interp._ir.INPUT_PRECISION.TF32:
-            a = interp.TensorHandle(tf32(a.data), tl.float32)
-            b = interp.TensorHandle(tf32(b.data), tl.float32)
-        return saved["dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return interp.TensorHandle(f32_to_bf16(src.data), tl.bfloat16)
-        return saved["cast"](self, src, dst_type)
-
-    patched = set()
-
-    def launch(self, *args, **kwargs):
-        patched.clear()
-        return saved["launch"](self, *args, **kwargs)
-
-    def device_call(self, *args, **kwargs):
-        if id(self.fn.__globals__) not in patched:
-            interp._patch_lang(self.fn)
-            patched.add(id(self.fn.__globals__))
-        fn = self.rewrite()
-        try:
-            return fn(*args, **kwargs)
-        except Exception as err:
-            raise interp.InterpreterError(repr(err)) from err
-
-    interp._patch_lang_tensor = patch_tensor
-    interp.InterpreterBuilder.create_dot = create_dot
-    interp.InterpreterBuilder.cast_impl = cast_impl
-    interp.GridExecutor.__call__ = launch
-    interp.InterpretedFunction.__call__ = device_call
-    yield
-    interp._patch_lang_tensor = saved["patch_tensor"]
-    interp.InterpreterBuilder.create_dot = saved["dot"]
-    interp.InterpreterBuilder.cast_impl = saved["cast"]
-    interp.GridExecutor.__call__ = saved["launch"]
-    interp.InterpretedFunction.__call__ = saved["device_call"]
+def _faithful_interpreter():
+    """This module's kernels run in ``conftest.gpu_faithful_interpreter``."""
+    with gpu_faithful_interpreter():
+        yield
 
 
 # ------------------------------------------------------------------------------------------------

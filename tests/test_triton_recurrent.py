@@ -21,9 +21,10 @@ pytest.importorskip("triton")
 
 from cula_serve import cula_commit, cula_decode, cula_gdn, cula_lightning, cula_verify  # noqa: E402
 from cula_serve.kernels.backends import triton_backend  # noqa: E402
+from cula_serve.kernels.delta_rule import verify_wy_triton  # noqa: E402
 
-from conftest import (ORACLE, assert_close, assert_untouched, random_inputs, relative_error,  # noqa: E402
-                      to_float64, tolerance)
+from conftest import (ORACLE, assert_close, assert_untouched, gpu_faithful_interpreter, random_inputs,  # noqa: E402
+                      relative_error, to_float64, tolerance)
 
 if triton_backend.availability(torch.device("cpu")):
     pytest.skip("the triton backend needs TRITON_INTERPRET=1 on the CPU (set before triton was imported)",
@@ -427,6 +428,75 @@ def test_deferred_commit_applies_the_verify_u(mode, generator):
     cula_commit(pending, accepted)
     assert torch.isnan(poisoned[SLOTS[0]]).any()
     assert torch.equal(poisoned[SLOTS[3]], from_u[SLOTS[3]])
+
+
+WY = dict(H=1, HV=2, K=64, V=64)  # GVA at the smallest head dims of GDN's WY verify (``verify_wy_triton.applies``)
+
+
+@pytest.fixture
+def faithful_interpreter():
+    """The WY kernels' bf16 and tf32 products computed as the GPU computes them."""
+    with gpu_faithful_interpreter():
+        yield
+
+
+@pytest.mark.parametrize("fused_gate", [True, False], ids=["fused-gate", "mild-gate"])
+@pytest.mark.parametrize("tokens", [1, 4, 8])
+def test_wy_verify_with_pending_and_commit(tokens, fused_gate, faithful_interpreter, monkeypatch, generator):
+    """GDN with a bfloat16 pool runs its deferred verify, its verify with a pending commit and its
+    commit in WY form (``verify_wy_triton``; the test fails if another kernel runs them). A
+    deferred verify on SLOTS (padding row, NaN in the unused slots; keys alike, beta near 1), a
+    verify that commits it first with every accepted count 0..T across the rows, and the last
+    commit: against the float64 oracle, and the verify with pending= against a separate commit and
+    verify bit for bit (the same commit code, so the engine's two paths agree exactly)."""
+    ops = []
+    wy_recurrent = verify_wy_triton.wy_recurrent
+    monkeypatch.setattr(verify_wy_triton, "wy_recurrent",
+                        lambda *a, **kw: (ops.append(kw["op"]), wy_recurrent(*a, **kw)))
+    N = len(SLOTS)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    accepted = torch.arange(N, dtype=torch.int32) % (tokens + 1)
+    first = random_inputs("gdn", (N, tokens), **WY, fused_gate=fused_gate, generator=generator)
+    second = random_inputs("gdn", (N, tokens), **WY, fused_gate=fused_gate, generator=generator)
+    if fused_gate:  # the same layer: the commit goes into the verify
+        second.update(A_log=first["A_log"], dt_bias=first["dt_bias"])
+    for kw in (first, second):
+        # keys alike and beta near 1: with mild gates A's powers stay large and every factor of
+        # (I + A)^-1 counts
+        kw["k"] = kw["k"][:, :1] + 0.2 * kw["k"]
+        kw["beta"] = kw["beta"] + 4.0 if fused_gate else 0.5 + 0.5 * kw["beta"]
+    pool, _ = _pool(WY, torch.bfloat16, [s for s in SLOTS if s >= 0], generator)
+    separate, ref_pool = pool.clone(), pool.double()
+    tol = tolerance(torch.bfloat16, torch.bfloat16)
+
+    q, k, v, rest = _split(first)
+    o, pending = cula_verify(q, k, v, pool, mode="gdn", state_indices=slots, **rest, **TRITON)
+    _, separate_pending = cula_verify(q, k, v, separate, mode="gdn", state_indices=slots, **rest, **TRITON)
+    q, k, v, rest = _split(to_float64(first))
+    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode="gdn", state_indices=slots, **rest, **ORACLE)
+    assert_close(o, ref_o, tol, "verify outputs")
+    assert (o[PAD] == 0).all() and (pending.saved[PAD] == 0).all()
+
+    q, k, v, rest = _split(second)
+    o, pending = cula_verify(q, k, v, pool, mode="gdn", state_indices=slots, pending=pending,
+                             num_accepted_tokens=accepted, **rest, **TRITON)
+    cula_commit(separate_pending, accepted)
+    separate_o, _ = cula_verify(q, k, v, separate, mode="gdn", state_indices=slots, **rest, **TRITON)
+    cula_commit(ref_pending, accepted, algorithm="recurrent", compute_dtype=torch.float64)
+    q, k, v, rest = _split(to_float64(second))
+    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode="gdn", state_indices=slots, **rest, **ORACLE)
+    assert_close(o, ref_o, tol, "outputs of the verify with pending=")
+    assert (o[PAD] == 0).all()
+    _assert_same_writes(pool, ref_pool, tol, "pool after the commit inside the verify")
+    assert torch.equal(o, separate_o), "outputs against a separate commit and verify"
+    assert torch.equal(pool.nan_to_num(7.0), separate.nan_to_num(7.0)), "pool against a separate commit"
+
+    last = accepted.flip(0) % (tokens + 1)
+    cula_commit(pending, last)
+    cula_commit(ref_pending, last, algorithm="recurrent", compute_dtype=torch.float64)
+    _assert_same_writes(pool, ref_pool, tol, "pool after the last commit")
+    assert_untouched(pool, UNUSED)
+    assert ops == ["deferred", "deferred", "deferred", "commit", "deferred", "commit"]
 
 
 # ------------------------------------------------------------------------------------------------

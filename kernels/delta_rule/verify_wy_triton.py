@@ -1,0 +1,215 @@
+"""GDN's deferred verify and commit on a bfloat16 pool in Triton, in WY form on the tensor cores.
+
+The token-by-token kernel (``recurrent_triton.py``) reduces the state over K twice per token and
+is bound by issuing those reductions, while a bfloat16 pool makes the memory side cheap: GDN's
+verify + commit of T = 4 tokens took 2.7x a decode step there (H200, B = 64). Here the T tokens
+of one (sequence, value head, V tile) are a 16-row block and every state product is one
+``tl.dot``. The math, for the state S^T [V, K] (the pool's K-last layout) entering the verify,
+l2-normalised keys k_t and queries q_t (q times the scale), G_t the cumulative log gate of the
+verify's tokens, beta_t:
+
+    A_ts = beta_t exp(G_t - G_s) k_t . k_s   (s < t)        X = (I + A)^-1
+    u    = X diag(beta) (V - diag(exp(G)) K S)               (each token's u, as the token kernel saves it)
+    o    = diag(exp(G)) Q S + P u,   P_ts = exp(G_t - G_s) q_t . k_s   (s <= t)
+
+which is the recurrence h_t = exp(g_t) h_{t-1} + k_t u_t^T, u_t = beta_t (v_t - (exp(g_t) h_{t-1})^T k_t),
+o_t = h_t^T q_t unrolled (``naive.py``). The rows of the block are k_0 .. k_7 then q_0 .. q_7
+(T <= 8), so that S K^T and S Q^T are one product [K; Q] S^T, k . k and q . k one product of
+the block with itself, and u and P u one product (M = [X; P X] times diag(beta) (V - exp(G) K S)).
+X is a product of log2(T) factors: A is strictly lower with T live rows, so A^T = 0 and
+(I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+
+A commit of the first a_n tokens from their saved u is S^T <- exp(G_a) S^T + u^T (exp(G_a - G) K)
+(rows s < a_n), one product of 16 token rows; a verify with a pending commit runs it first and
+verifies from the committed state as the pool holds it (rounded to bfloat16). The standalone
+commit runs the same code, so that the two paths agree bit for bit.
+
+Precisions: the state products take the block in two bfloat16 parts (hi + lo, 16 bits of
+mantissa) against the bfloat16 state, exact as stored; the small 16 x 16 products are tf32; the
+commit's product takes both operands in two bfloat16 parts (three products: hi hi, hi lo, lo hi).
+H200, T = 4, GDN 16 / 32 heads, per layer of a 16-layer CUDA graph (bench_serving's step
+functions, one process), token kernel -> this, us, B = 64 / 256: verify with a pending commit
+94.1 / 351.5 -> 70.8 / 260.7, deferred verify + commit 105.2 / 388.2 -> 77.2 / 268.1, against a
+decode step of 38.5 / 142.8 (1.84x and 2.01x at B = 64). The commit's product in tf32 was 2.3 us
+slower and in IEEE float32 25x slower (the products on CUDA-core FMAs spill); kept in the token
+kernel, the standalone commit was 5 us faster but disagreed with the commit inside a verify by
+9e-4 (relative, pool), against the 1e-4 that the two paths are held to.
+
+Where: GDN (scalar gate), "deferred" verifies (with or without a pending commit) and "commit"s
+from saved u, bfloat16 pools, T <= 8 (a pending verify's up to 16), K in {64, 128} and V a
+multiple of the V tile. Everything else runs the token kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_triton import _gate_params
+from .recurrent_triton import L2NORM_EPS, _token_log_decay, head_and_tile
+from ..common.pool_protocol import strides3
+
+ROWS = tl.constexpr(16)  # tl.dot's smallest M and K
+KEY_ROWS = tl.constexpr(8)  # rows 0 .. 7 keys, 8 .. 15 queries: T <= 8
+
+
+def applies(recipe, op: str, state_pool: torch.Tensor, saved_u, T: int, TP: int, K: int, V: int) -> bool:
+    """Whether ``recurrent_triton.delta_rule_recurrent`` runs ``op`` here (module docstring). A
+    commit of up to 16 tokens does, a verify of up to 8: a verify of 9 to 16 tokens with a pending
+    commit runs the token kernel, whose commit agrees with this one to rounding, not bit for bit."""
+    return (recipe.mode == "gdn" and op in ("deferred", "commit") and state_pool.dtype == torch.bfloat16
+            and saved_u is not None and T <= (ROWS if op == "commit" else KEY_ROWS) and TP <= ROWS
+            and K in (64, 128) and V % 64 == 0)
+
+
+def launch_shape(op: str, TP: int, V: int) -> tuple[int, int]:
+    """(V tile, warps). H200, GDN 16 / 32 heads, T = 4, bfloat16 pool, per layer of a 16-layer
+    graph, us, B = 64 / 256: a verify with a pending commit in (64, 2) 76.5 / 279.1 against (128, 4)
+    78.8 / 296.7; a deferred verify (then the token kernel's commit) in (128, 4) 78.8 / 278.0 against
+    (64, 2) 84.1 / 306.3 (verify + commit); 4 warps on 64 columns, 8 on 128 and 1 on 32 or 64 were
+    slower (the program's fixed work, q / k / gates and the small products, is per tile)."""
+    if op == "deferred" and TP == 0 and V % 128 == 0:
+        return 128, 4
+    return 64, 2
+
+
+@triton.jit
+def _bf16x3(a, b):
+    """a @ b for float32 tiles as three bfloat16 products (each operand in hi + lo parts, the lo lo
+    product dropped): about 16 bits of mantissa."""
+    a_hi = a.to(tl.bfloat16)
+    b_hi = b.to(tl.bfloat16)
+    a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+    b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
+
+
+@triton.jit
+def _wy_kernel(
+    q, k, v, g, beta, o, A_log, dt_bias, saved_u, pending_k, pending_g, pending_u,
+    stride_q_n, stride_q_t, stride_q_h,
+    stride_k_n, stride_k_t, stride_k_h,
+    stride_v_n, stride_v_t, stride_v_h,
+    stride_g_n, stride_g_t, stride_g_h,
+    stride_b_n, stride_b_t, stride_b_h,
+    stride_o_n, stride_o_t, stride_o_h,
+    stride_u_n, stride_u_t, stride_u_h,
+    stride_pk_n, stride_pk_t, stride_pk_h,
+    stride_pg_n, stride_pg_t, stride_pg_h,
+    stride_pu_n, stride_pu_t, stride_pu_h,
+    scale, lower_bound, pool, state_indices, num_accepted, stride_pool, stride_idx_n,
+    T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BV: tl.constexpr, LOG2_T: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
+):
+    """One (sequence, value head, V tile of BV columns): with TP > 0 the commit of the first
+    num_accepted[n] of TP pending tokens (k, g, u: ``pending_*``) into the pool, then with T > 0
+    the verify of T tokens (outputs into ``o``, u into ``saved_u``). A padding row (slot < 0)
+    reads and writes no state and gets zero outputs and u."""
+    i_nh, i_v = head_and_tile(V, BV)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    i_n64 = i_n.to(tl.int64)
+    rows = tl.arange(0, ROWS)
+    ks = tl.arange(0, K)
+    vs = i_v * BV + tl.arange(0, BV)
+    slot = tl.load(state_indices + i_n * stride_idx_n)
+    live = slot >= 0
+    state = pool + slot.to(tl.int64) * stride_pool + i_hv * V * K + vs[:, None] * K + ks[None, :]
+    S = tl.load(state, mask=live, other=0.0)  # S^T [BV, K], bfloat16
+    A = 1.0
+    bias = 0.0
+    if FUSED_GATE:
+        A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            bias = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    if TP > 0:
+        accepted = tl.where(live, tl.load(num_accepted + i_n), 0)
+        committed = (rows < accepted) & (rows < TP)
+        keys = tl.load(pending_k + i_n64 * stride_pk_n + rows[:, None] * stride_pk_t + i_h * stride_pk_h + ks[None, :],
+                       mask=committed[:, None], other=0.0).to(tl.float32)
+        if QK_L2NORM:
+            keys = keys * tl.rsqrt(tl.sum(keys * keys, 1) + L2NORM_EPS)[:, None]
+        log_decay = _token_log_decay(pending_g, i_n64 * stride_pg_n + rows * stride_pg_t + i_hv * stride_pg_h, 0,
+                                     committed, A, bias, lower_bound, False, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS,
+                                     False)
+        G = tl.cumsum(log_decay, 0)
+        G_end = tl.sum(log_decay, 0)
+        u = tl.load(pending_u + i_n64 * stride_pu_n + rows[:, None] * stride_pu_t + i_hv * stride_pu_h + vs[None, :],
+                    mask=committed[:, None], other=0.0)
+        update = _bf16x3(tl.trans(u), keys * tl.exp(G_end - G)[:, None])
+        S = (S.to(tl.float32) * tl.exp(G_end) + update).to(pool.dtype.element_ty)
+        tl.store(state, S, mask=accepted > 0)
+
+    if T > 0:
+        token = rows % KEY_ROWS
+        is_key = rows < KEY_ROWS
+        active = (token < T) & live
+        key_rows = active & is_key
+        # the block [K; Q]: row r the key (r < 8) or the query (r >= 8) of token r mod 8
+        k_offsets = i_n64 * stride_k_n + token[:, None] * stride_k_t + i_h * stride_k_h + ks[None, :]
+        q_offsets = i_n64 * stride_q_n + token[:, None] * stride_q_t + i_h * stride_q_h + ks[None, :]
+        KQ = tl.load(tl.where(is_key[:, None], k + k_offsets, q + q_offsets), mask=active[:, None],
+                     other=0.0).to(tl.float32)
+        factor = tl.where(is_key, 1.0, scale)
+        if QK_L2NORM:
+            factor = factor * tl.rsqrt(tl.sum(KQ * KQ, 1) + L2NORM_EPS)
+        KQ = KQ * factor[:, None]
+        log_decay = _token_log_decay(g, i_n64 * stride_g_n + token * stride_g_t + i_hv * stride_g_h, 0, active, A,
+                                     bias, lower_bound, False, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, False)
+        # G of each row's token: the query rows' running sum restarts at their first row
+        G = tl.cumsum(log_decay, 0) - tl.where(is_key, 0.0, tl.sum(tl.where(is_key, log_decay, 0.0), 0))
+        b = tl.load(beta + i_n64 * stride_b_n + token * stride_b_t + i_hv * stride_b_h, mask=key_rows,
+                    other=0.0).to(tl.float32)
+        if BETA_LOGITS:
+            b = tl.sigmoid(b)
+        b = tl.where(key_rows, b, 0.0)
+        values = tl.load(v + i_n64 * stride_v_n + token[:, None] * stride_v_t + i_hv * stride_v_h + vs[None, :],
+                         mask=key_rows[:, None], other=0.0).to(tl.float32)
+
+        St = tl.trans(S)
+        KQ_hi = KQ.to(S.dtype)
+        KQS = tl.dot(KQ_hi, St) + tl.dot((KQ - KQ_hi.to(tl.float32)).to(S.dtype), St)  # [K S^T; Q S^T]
+        gram = tl.dot(KQ, tl.trans(KQ), input_precision="tf32")
+        earlier = is_key[None, :] & (token[None, :] <= token[:, None])  # (row, key column s <= its token)
+        decay = tl.exp(tl.where(earlier, G[:, None] - G[None, :], -float("inf")))
+        A_mat = tl.where(is_key[:, None] & (token[None, :] < token[:, None]), decay * gram, 0.0) * b[:, None]
+        X = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - A_mat
+        power = A_mat
+        for _ in tl.static_range(LOG2_T - 1):
+            power = tl.dot(power, power, input_precision="tf32")
+            X = X + tl.dot(X, power, input_precision="tf32")
+        P = tl.where(is_key[:, None], 0.0, decay * gram)
+        M = tl.where(is_key[:, None], X, tl.dot(P, X, input_precision="tf32"))
+        decay_in = tl.exp(G)
+        right = tl.where(is_key[:, None], b[:, None] * (values - decay_in[:, None] * KQS), 0.0)
+        Z = tl.dot(M, right, input_precision="tf32")  # key rows: u; query rows: P u
+        tl.store(saved_u + i_n64 * stride_u_n + token[:, None] * stride_u_t + i_hv * stride_u_h + vs[None, :], Z,
+                 mask=(is_key & (token < T))[:, None])
+        out = decay_in[:, None] * KQS + Z
+        tl.store(o + i_n64 * stride_o_n + token[:, None] * stride_o_t + i_hv * stride_o_h + vs[None, :],
+                 out.to(o.dtype.element_ty), mask=(~is_key & (token < T))[:, None])
+
+
+def wy_recurrent(recipe, q, k, v, g, beta, *, op: str, state_pool, state_indices, out, num_accepted_tokens,
+                 saved_u, pending_k, pending_g, pending_u, TP: int) -> None:
+    """Launch ``op`` where ``applies``; arguments as ``recurrent_triton.delta_rule_recurrent``
+    takes them after its checks (``out`` the output target, the pending tensors unit-last)."""
+    N, T, HV, V = saved_u.shape
+    H, K = k.shape[-2:]
+    T_verify = T
+    if op == "commit":  # the commit of a pending verify, with no verify after it
+        pending_k, pending_g, pending_u, TP, T_verify = k, g, saved_u, T, 0
+    BV, num_warps = launch_shape(op, TP, V)
+    A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, state_pool.device)
+    _wy_kernel[(N * HV * (V // BV),)](
+        q, k, v, g, beta, out, A_log, dt_bias, saved_u, pending_k, pending_g, pending_u,
+        *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta), *strides3(out),
+        *strides3(saved_u), *strides3(pending_k), *strides3(pending_g), *strides3(pending_u),
+        recipe.scale, lower_bound, state_pool, state_indices, num_accepted_tokens, state_pool.stride(0),
+        state_indices.stride(0), T=T_verify, TP=TP, H=H, HV=HV, K=K, V=V, BV=BV,
+        LOG2_T=max(1, (T_verify - 1).bit_length()), QK_L2NORM=recipe.qk_l2norm, BETA_LOGITS=recipe.beta_logits,
+        num_warps=num_warps, **gate_flags,
+    )
