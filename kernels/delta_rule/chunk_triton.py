@@ -196,7 +196,8 @@ SEGMENT_PROGRAMS_PER_SM = 1
 def _dot(a, b, PREC: tl.constexpr):
     """a @ b with float32 accumulation. PREC: "bf16" / "fp16" (operands rounded to that type),
     "bf16x2" (one operand a bf16 tile, exact, the other float32 and split into bf16 high and low
-    parts, two products: it keeps 16 bits of mantissa, tf32 would keep 11), or a float32
+    parts, two products: it keeps 16 bits of mantissa, tf32 would keep 11), "bf16x3" (both float32,
+    each split so, three products, the low x low one dropped: about 16 bits), or a float32
     ``input_precision``: "tf32", "tf32x3", "ieee"."""
     if PREC == "bf16":
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
@@ -210,6 +211,12 @@ def _dot(a, b, PREC: tl.constexpr):
             a_hi = a.to(tl.bfloat16)
             a_lo = (a.to(tl.float32) - a_hi.to(tl.float32)).to(tl.bfloat16)
             c = tl.dot(a_hi, b) + tl.dot(a_lo, b)
+    elif PREC == "bf16x3":
+        a_hi = a.to(tl.bfloat16)
+        b_hi = b.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+        c = tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
     elif PREC == "fp16":
         c = tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_triton import _gate_params
+from .chunk_triton import _dot, _gate_params
 from .recurrent_triton import L2NORM_EPS, _token_log_decay, head_and_tile
 from ..common.pool_protocol import strides3
 
@@ -71,17 +71,6 @@ def launch_shape(op: str, TP: int, V: int) -> tuple[int, int]:
     if op == "deferred" and TP == 0 and V % 128 == 0:
         return 128, 4
     return 64, 2
-
-
-@triton.jit
-def _bf16x3(a, b):
-    """a @ b for float32 tiles as three bfloat16 products (each operand in hi + lo parts, the lo lo
-    product dropped): about 16 bits of mantissa."""
-    a_hi = a.to(tl.bfloat16)
-    b_hi = b.to(tl.bfloat16)
-    a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-    b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
-    return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
 
 
 @triton.jit
@@ -139,7 +128,7 @@ def _wy_kernel(
         G_end = tl.sum(log_decay, 0)
         u = tl.load(pending_u + i_n64 * stride_pu_n + rows[:, None] * stride_pu_t + i_hv * stride_pu_h + vs[None, :],
                     mask=committed[:, None], other=0.0)
-        update = _bf16x3(tl.trans(u), keys * tl.exp(G_end - G)[:, None])
+        update = _dot(tl.trans(u), keys * tl.exp(G_end - G)[:, None], "bf16x3")
         S = (S.to(tl.float32) * tl.exp(G_end) + update).to(pool.dtype.element_ty)
         tl.store(state, S, mask=accepted > 0)
 
