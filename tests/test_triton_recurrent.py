@@ -43,6 +43,15 @@ P = 10
 POOL_SIZE = 32
 
 
+@pytest.fixture(autouse=True)
+def faithful_interpreter():
+    """Every test here: bf16 and tf32 products computed as the GPU computes them. GDN's deferred
+    verifies and commits with 16-bit inputs run the WY kernel's products (``verify_wy_triton``),
+    which the unpatched interpreter computes wrong."""
+    with gpu_faithful_interpreter():
+        yield
+
+
 def _pool(shape, dtype, live_slots, generator, strided=False):
     """A NaN pool of POOL_SIZE slots with random states in ``live_slots``. ``strided``: the [:, 0]
     half of a [POOL_SIZE, 2, HV, V, K] tensor (vLLM-style pages). Returns (pool, base), so that
@@ -433,17 +442,11 @@ def test_deferred_commit_applies_the_verify_u(mode, generator):
 WY = dict(H=1, HV=2, K=64, V=64)  # GVA at the smallest head dims of GDN's WY verify (``verify_wy_triton.applies``)
 
 
-@pytest.fixture
-def faithful_interpreter():
-    """The WY kernels' bf16 and tf32 products computed as the GPU computes them."""
-    with gpu_faithful_interpreter():
-        yield
-
-
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16-pool", "fp32-pool"])
 @pytest.mark.parametrize("fused_gate", [True, False], ids=["fused-gate", "mild-gate"])
 @pytest.mark.parametrize("tokens", [1, 4, 8])
-def test_wy_verify_with_pending_and_commit(tokens, fused_gate, faithful_interpreter, monkeypatch, generator):
-    """GDN with a bfloat16 pool runs its deferred verify, its verify with a pending commit and its
+def test_wy_verify_with_pending_and_commit(tokens, fused_gate, state_dtype, monkeypatch, generator):
+    """GDN with bfloat16 inputs runs its deferred verify, its verify with a pending commit and its
     commit in WY form (``verify_wy_triton``; the test fails if another kernel runs them). A
     deferred verify on SLOTS (padding row, NaN in the unused slots; keys alike, beta near 1), a
     verify that commits it first with every accepted count 0..T across the rows, and the last
@@ -465,9 +468,9 @@ def test_wy_verify_with_pending_and_commit(tokens, fused_gate, faithful_interpre
         # (I + A)^-1 counts
         kw["k"] = kw["k"][:, :1] + 0.2 * kw["k"]
         kw["beta"] = kw["beta"] + 4.0 if fused_gate else 0.5 + 0.5 * kw["beta"]
-    pool, _ = _pool(WY, torch.bfloat16, [s for s in SLOTS if s >= 0], generator)
+    pool, _ = _pool(WY, state_dtype, [s for s in SLOTS if s >= 0], generator)
     separate, ref_pool = pool.clone(), pool.double()
-    tol = tolerance(torch.bfloat16, torch.bfloat16)
+    tol = tolerance(torch.bfloat16, state_dtype)
 
     q, k, v, rest = _split(first)
     o, pending = cula_verify(q, k, v, pool, mode="gdn", state_indices=slots, **rest, **TRITON)
@@ -497,6 +500,17 @@ def test_wy_verify_with_pending_and_commit(tokens, fused_gate, faithful_interpre
     _assert_same_writes(pool, ref_pool, tol, "pool after the last commit")
     assert_untouched(pool, UNUSED)
     assert ops == ["deferred", "deferred", "deferred", "commit", "deferred", "commit"]
+
+
+def test_wy_keeps_float32_inputs_on_the_token_kernel():
+    """A float32 pool takes the WY form only with 16-bit inputs: its bfloat16 products would not
+    hold float32 inputs to the 1e-5 tolerance."""
+    recipe = types.SimpleNamespace(mode="gdn")
+    pool = torch.zeros(1, 1, 64, 64)
+    saved_u = torch.zeros(1, 4, 1, 64)
+    assert verify_wy_triton.applies(recipe, "deferred", pool, saved_u, 4, 0, 64, 64, torch.bfloat16)
+    assert not verify_wy_triton.applies(recipe, "deferred", pool, saved_u, 4, 0, 64, 64, torch.float32)
+    assert verify_wy_triton.applies(recipe, "commit", pool.bfloat16(), saved_u, 4, 0, 64, 64, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------

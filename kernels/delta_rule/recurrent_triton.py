@@ -29,8 +29,8 @@ token) makes it lose (117.7 -> 129.8 us). So KDA's deferred verifies (with a bfl
 with a pending commit) read their decays, formed once per token and head by a launch before them
 (``channel_decays``, ``uses_channel_decays``), and take the split layout; where KDA forms its gate
 in the kernel it keeps LV = 1, KL = K, the plain layout, and so does a commit from saved u, which
-has no reductions left. GDN's deferred verifies and commits on a bfloat16 pool, where the memory
-side is cheapest, leave this kernel for one that runs the tokens as tensor-core products
+has no reductions left. GDN's deferred verifies and commits (bfloat16 pools, and float32 pools
+with 16-bit inputs) leave this kernel for one that runs the tokens as tensor-core products
 (``verify_wy_triton.py``).
 
 The pool is ``[P, HV, V, K]`` (K-last, ``pool[slot, hv, v, k] == S[k, v]``), float32 or bfloat16
@@ -642,7 +642,7 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
     target = output_target(out)
     check_saved_u(saved_u, op, (N, T, HV, V))
     from . import verify_wy_triton  # it imports this module's helpers
-    if verify_wy_triton.applies(recipe, op, state_pool, saved_u, T, TP, K, V):
+    if verify_wy_triton.applies(recipe, op, state_pool, saved_u, T, TP, K, V, k.dtype):
         with device_guard(v.device):
             verify_wy_triton.wy_recurrent(recipe, q, k, v, g, beta, op=op, state_pool=state_pool,
                                           state_indices=state_indices, out=target,

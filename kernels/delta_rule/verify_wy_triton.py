@@ -1,8 +1,8 @@
-"""GDN's deferred verify and commit on a bfloat16 pool in Triton, in WY form on the tensor cores.
+"""GDN's deferred verify and commit in Triton, in WY form on the tensor cores.
 
 The token-by-token kernel (``recurrent_triton.py``) reduces the state over K twice per token and
-is bound by issuing those reductions, while a bfloat16 pool makes the memory side cheap: GDN's
-verify + commit of T = 4 tokens took 2.7x a decode step there (H200, B = 64). Here the T tokens
+is bound by issuing those reductions: GDN's verify + commit of T = 4 tokens took 2.7x a decode
+step on a bfloat16 pool, 2.2x on a float32 one (H200, B = 64). Here the T tokens
 of one (sequence, value head, V tile) are a 16-row block and every state product is one
 ``tl.dot``. The math, for the state S^T [V, K] (the pool's K-last layout) entering the verify,
 l2-normalised keys k_t and queries q_t (q times the scale), G_t the cumulative log gate of the
@@ -24,20 +24,33 @@ A commit of the first a_n tokens from their saved u is S^T <- exp(G_a) S^T + u^T
 verifies from the committed state as the pool holds it (rounded to bfloat16). The standalone
 commit runs the same code, so that the two paths agree bit for bit.
 
+A program takes one (sequence, value head) and walks the head's V tiles of 32 columns, with the
+next tile's state loads in flight while it works on the current one: everything that does not
+depend on the state (the block, its norms and gates, A, X, P, the commit's decayed keys) is formed
+once per head instead of once per tile. Below one head per SM (N * HV < the GPU's SMs, e.g. B = 1)
+each tile is its own program instead, for parallelism.
+
 Precisions: the state products take the block in two bfloat16 parts (hi + lo, 16 bits of
-mantissa) against the bfloat16 state, exact as stored; the small 16 x 16 products are tf32; the
-commit's product takes both operands in two bfloat16 parts (three products: hi hi, hi lo, lo hi).
+mantissa), split once per program, against a bfloat16 state, exact as stored, or against a float32
+state in two bfloat16 parts as well (three products: hi hi, hi lo, lo hi); the small 16 x 16
+products are tf32; the commit's product takes both operands in two bfloat16 parts (three products).
+A float32 pool takes this path only with 16-bit inputs (bfloat16 tolerances); float32 inputs keep
+the token kernel's float32 arithmetic.
+
 H200, T = 4, GDN 16 / 32 heads, per layer of a 16-layer CUDA graph (bench_serving's step
-functions, one process), token kernel -> this, us, B = 64 / 256: verify with a pending commit
-94.1 / 351.5 -> 70.8 / 260.7, deferred verify + commit 105.2 / 388.2 -> 77.2 / 268.1, against a
-decode step of 38.5 / 142.8 (1.84x and 2.01x at B = 64). The commit's product in tf32 was 2.3 us
-slower and in IEEE float32 25x slower (the products on CUDA-core FMAs spill); kept in the token
-kernel, the standalone commit was 5 us faster but disagreed with the commit inside a verify by
-9e-4 (relative, pool), against the 1e-4 that the two paths are held to.
+functions, one process), us, B = 64 / 256. bfloat16 pool, the token kernel -> this kernel's first
+form (a program per V tile of 64 or 128 columns) -> this: verify with a pending commit 94.1 / 351.5
+-> 70.8 / 261.9 -> 56.8 / 200.8, deferred verify + commit 105.2 / 388.2 -> 77.0 / 268.8 -> 70.6 /
+237.9, against a decode step of 38.5 / 143.1 (1.47x and 1.83x at B = 64). float32 pool, the token
+kernel -> this: 120.7 / 425.1 -> 101.2 / 345.5 and 152.1 / 557.0 -> 127.0 / 446.0, against 69.6 /
+267.8 (1.45x and 1.82x). The commit's product in tf32 was 2.3 us slower and in IEEE float32 25x slower
+(the products on CUDA-core FMAs spill); kept in the token kernel, the standalone commit was 5 us
+faster but disagreed with the commit inside a verify by 9e-4 (relative, bfloat16 pool), against
+the 1e-4 that the two paths are held to.
 
 Where: GDN (scalar gate), "deferred" verifies (with or without a pending commit) and "commit"s
-from saved u, bfloat16 pools, T <= 8 (a pending verify's up to 16), K in {64, 128} and V a
-multiple of the V tile. Everything else runs the token kernel.
+from saved u, bfloat16 pools, float32 pools with 16-bit inputs, T <= 8 (a pending verify's up to
+16), K in {64, 128} and V a multiple of 32. Everything else runs the token kernel.
 """
 from __future__ import annotations
 
@@ -48,29 +61,44 @@ import triton.language as tl
 from .chunk_triton import _dot, _gate_params
 from .recurrent_triton import L2NORM_EPS, _token_log_decay, head_and_tile
 from ..common.pool_protocol import strides3
+from ..common.segments import sm_count
 
 ROWS = tl.constexpr(16)  # tl.dot's smallest M and K
 KEY_ROWS = tl.constexpr(8)  # rows 0 .. 7 keys, 8 .. 15 queries: T <= 8
+TILE_V = 32  # state columns of a V tile
+TILE_STAGES = 3  # V tiles whose state loads are in flight at once
 
 
-def applies(recipe, op: str, state_pool: torch.Tensor, saved_u, T: int, TP: int, K: int, V: int) -> bool:
+def applies(recipe, op: str, state_pool: torch.Tensor, saved_u, T: int, TP: int, K: int, V: int,
+            input_dtype: torch.dtype) -> bool:
     """Whether ``recurrent_triton.delta_rule_recurrent`` runs ``op`` here (module docstring). A
     commit of up to 16 tokens does, a verify of up to 8: a verify of 9 to 16 tokens with a pending
     commit runs the token kernel, whose commit agrees with this one to rounding, not bit for bit."""
-    return (recipe.mode == "gdn" and op in ("deferred", "commit") and state_pool.dtype == torch.bfloat16
-            and saved_u is not None and T <= (ROWS if op == "commit" else KEY_ROWS) and TP <= ROWS
-            and K in (64, 128) and V % 64 == 0)
+    pool_ok = state_pool.dtype == torch.bfloat16 or (
+        state_pool.dtype == torch.float32 and input_dtype in (torch.bfloat16, torch.float16))
+    return (recipe.mode == "gdn" and op in ("deferred", "commit") and pool_ok and saved_u is not None
+            and T <= (ROWS if op == "commit" else KEY_ROWS) and TP <= ROWS and K in (64, 128)
+            and V % TILE_V == 0)
 
 
-def launch_shape(op: str, TP: int, V: int) -> tuple[int, int]:
-    """(V tile, warps). H200, GDN 16 / 32 heads, T = 4, bfloat16 pool, per layer of a 16-layer
-    graph, us, B = 64 / 256: a verify with a pending commit in (64, 2) 76.5 / 279.1 against (128, 4)
-    78.8 / 296.7; a deferred verify (then the token kernel's commit) in (128, 4) 78.8 / 278.0 against
-    (64, 2) 84.1 / 306.3 (verify + commit); 4 warps on 64 columns, 8 on 128 and 1 on 32 or 64 were
-    slower (the program's fixed work, q / k / gates and the small products, is per tile)."""
-    if op == "deferred" and TP == 0 and V % 128 == 0:
-        return 128, 4
-    return 64, 2
+def launch_shape(op: str, TP: int, N: int, HV: int, V: int, num_sms: int) -> tuple[int, int, int]:
+    """(V tile, warps, tiles a program walks). H200, T = 4, GDN 16 / 32 heads, K = V = 128, per
+    layer of a 16-layer graph, us, verify / verify with a pending commit / verify + commit:
+    - 32 columns on 2 warps, a head's 4 tiles a program: bfloat16 pool, B = 64, 27.9 / 60.0 / 70.6
+      against 46.8 / 93.6 / 89.4 with a tile a program and 31.5 / 73.3 / 80.0 with 2 tiles; float32
+      pool, B = 256, 158.2 / 379.7 / 446.0 against 280.7 / 474.7 / 572.0 with a tile a program.
+      64 columns on 2 or 4 warps in 2 tiles were slower (float32 verify, B = 64: 59.0, 53.9
+      against 47.2), so were 2 or 4 stages of loads in flight instead of 3 (50.9, 48.9);
+    - 16 columns on 1 warp in 8 tiles: the verify with a pending commit faster from B = 64 on
+      (bfloat16 56.8 / 200.8 against 60.0 / 221.8 at B = 64 / 256, float32 101.2 / 345.5 against
+      105.3 / 379.7), the others not (bfloat16 B = 64: 31.7 / - / 72.7), and everything slower at
+      B = 8 (bfloat16 8.9 / 14.7 / 17.7 against 7.2 / 12.4 / 15.4);
+    - below one head per SM a tile a program: B = 1 (32 heads), bfloat16, 4.4 / 5.8 / 7.8 against
+      5.7 / 9.8 / 11.8 with 4 tiles."""
+    whole_heads = N * HV >= num_sms
+    if op == "deferred" and TP > 0 and N * HV >= 8 * num_sms:
+        return 16, 1, V // 16
+    return TILE_V, 2, V // TILE_V if whole_heads else 1
 
 
 @triton.jit
@@ -90,23 +118,23 @@ def _wy_kernel(
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, LOG2_T: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    TILES: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """One (sequence, value head, V tile of BV columns): with TP > 0 the commit of the first
-    num_accepted[n] of TP pending tokens (k, g, u: ``pending_*``) into the pool, then with T > 0
-    the verify of T tokens (outputs into ``o``, u into ``saved_u``). A padding row (slot < 0)
-    reads and writes no state and gets zero outputs and u."""
-    i_nh, i_v = head_and_tile(V, BV)
+    """One (sequence, value head, group of TILES V tiles of BV columns): with TP > 0 the commit of
+    the first num_accepted[n] of TP pending tokens (k, g, u: ``pending_*``) into the pool, then with
+    T > 0 the verify of T tokens (outputs into ``o``, u into ``saved_u``), tile by tile with STAGES
+    tiles' loads in flight. A padding row (slot < 0) reads and writes no state and gets zero
+    outputs and u."""
+    i_nh, i_grp = head_and_tile(V, BV * TILES)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
     i_n64 = i_n.to(tl.int64)
     rows = tl.arange(0, ROWS)
     ks = tl.arange(0, K)
-    vs = i_v * BV + tl.arange(0, BV)
     slot = tl.load(state_indices + i_n * stride_idx_n)
     live = slot >= 0
-    state = pool + slot.to(tl.int64) * stride_pool + i_hv * V * K + vs[:, None] * K + ks[None, :]
-    S = tl.load(state, mask=live, other=0.0)  # S^T [BV, K], bfloat16
+    head_state = pool + slot.to(tl.int64) * stride_pool + i_hv * V * K
     A = 1.0
     bias = 0.0
     if FUSED_GATE:
@@ -121,25 +149,20 @@ def _wy_kernel(
                        mask=committed[:, None], other=0.0).to(tl.float32)
         if QK_L2NORM:
             keys = keys * tl.rsqrt(tl.sum(keys * keys, 1) + L2NORM_EPS)[:, None]
-        log_decay = _token_log_decay(pending_g, i_n64 * stride_pg_n + rows * stride_pg_t + i_hv * stride_pg_h, 0,
-                                     committed, A, bias, lower_bound, False, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS,
-                                     False)
-        G = tl.cumsum(log_decay, 0)
-        G_end = tl.sum(log_decay, 0)
-        u = tl.load(pending_u + i_n64 * stride_pu_n + rows[:, None] * stride_pu_t + i_hv * stride_pu_h + vs[None, :],
-                    mask=committed[:, None], other=0.0)
-        update = _dot(tl.trans(u), keys * tl.exp(G_end - G)[:, None], "bf16x3")
-        S = (S.to(tl.float32) * tl.exp(G_end) + update).to(pool.dtype.element_ty)
-        tl.store(state, S, mask=accepted > 0)
+        log_decay_c = _token_log_decay(pending_g, i_n64 * stride_pg_n + rows * stride_pg_t + i_hv * stride_pg_h, 0,
+                                       committed, A, bias, lower_bound, False, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS,
+                                       False)
+        G_end = tl.sum(log_decay_c, 0)
+        keys_after = keys * tl.exp(G_end - tl.cumsum(log_decay_c, 0))[:, None]  # decayed to the last token
 
     if T > 0:
         token = rows % KEY_ROWS
         is_key = rows < KEY_ROWS
         active = (token < T) & live
         key_rows = active & is_key
-        # the block [K; Q]: row r the key (r < 8) or the query (r >= 8) of token r mod 8
         k_offsets = i_n64 * stride_k_n + token[:, None] * stride_k_t + i_h * stride_k_h + ks[None, :]
         q_offsets = i_n64 * stride_q_n + token[:, None] * stride_q_t + i_h * stride_q_h + ks[None, :]
+        # the block [K; Q]: row r the key (r < 8) or the query (r >= 8) of token r mod 8
         KQ = tl.load(tl.where(is_key[:, None], k + k_offsets, q + q_offsets), mask=active[:, None],
                      other=0.0).to(tl.float32)
         factor = tl.where(is_key, 1.0, scale)
@@ -155,12 +178,6 @@ def _wy_kernel(
         if BETA_LOGITS:
             b = tl.sigmoid(b)
         b = tl.where(key_rows, b, 0.0)
-        values = tl.load(v + i_n64 * stride_v_n + token[:, None] * stride_v_t + i_hv * stride_v_h + vs[None, :],
-                         mask=key_rows[:, None], other=0.0).to(tl.float32)
-
-        St = tl.trans(S)
-        KQ_hi = KQ.to(S.dtype)
-        KQS = tl.dot(KQ_hi, St) + tl.dot((KQ - KQ_hi.to(tl.float32)).to(S.dtype), St)  # [K S^T; Q S^T]
         gram = tl.dot(KQ, tl.trans(KQ), input_precision="tf32")
         earlier = is_key[None, :] & (token[None, :] <= token[:, None])  # (row, key column s <= its token)
         decay = tl.exp(tl.where(earlier, G[:, None] - G[None, :], -float("inf")))
@@ -173,13 +190,37 @@ def _wy_kernel(
         P = tl.where(is_key[:, None], 0.0, decay * gram)
         M = tl.where(is_key[:, None], X, tl.dot(P, X, input_precision="tf32"))
         decay_in = tl.exp(G)
-        right = tl.where(is_key[:, None], b[:, None] * (values - decay_in[:, None] * KQS), 0.0)
-        Z = tl.dot(M, right, input_precision="tf32")  # key rows: u; query rows: P u
-        tl.store(saved_u + i_n64 * stride_u_n + token[:, None] * stride_u_t + i_hv * stride_u_h + vs[None, :], Z,
-                 mask=(is_key & (token < T))[:, None])
-        out = decay_in[:, None] * KQS + Z
-        tl.store(o + i_n64 * stride_o_n + token[:, None] * stride_o_t + i_hv * stride_o_h + vs[None, :],
-                 out.to(o.dtype.element_ty), mask=(~is_key & (token < T))[:, None])
+        # the block's bfloat16 parts once for all tiles (``_dot``'s splits would form them per tile)
+        KQ_hi = KQ.to(tl.bfloat16)
+        KQ_lo = (KQ - KQ_hi.to(tl.float32)).to(tl.bfloat16)
+
+    for j in tl.range(TILES, num_stages=STAGES):
+        vs = (i_grp * TILES + j) * BV + tl.arange(0, BV)
+        state = head_state + vs[:, None] * K + ks[None, :]
+        S = tl.load(state, mask=live, other=0.0)  # S^T [BV, K] in the pool's dtype
+        if TP > 0:
+            u = tl.load(pending_u + i_n64 * stride_pu_n + rows[:, None] * stride_pu_t + i_hv * stride_pu_h
+                        + vs[None, :], mask=committed[:, None], other=0.0)
+            update = _dot(tl.trans(u), keys_after, "bf16x3")
+            S = (S.to(tl.float32) * tl.exp(G_end) + update).to(pool.dtype.element_ty)
+            tl.store(state, S, mask=accepted > 0)
+        if T > 0:
+            values = tl.load(v + i_n64 * stride_v_n + token[:, None] * stride_v_t + i_hv * stride_v_h + vs[None, :],
+                             mask=key_rows[:, None], other=0.0).to(tl.float32)
+            St = tl.trans(S)
+            if S.dtype == tl.bfloat16:
+                KQS = tl.dot(KQ_hi, St) + tl.dot(KQ_lo, St)  # [K S^T; Q S^T]
+            else:
+                S_hi = St.to(tl.bfloat16)
+                S_lo = (St - S_hi.to(tl.float32)).to(tl.bfloat16)
+                KQS = tl.dot(KQ_hi, S_hi) + tl.dot(KQ_hi, S_lo) + tl.dot(KQ_lo, S_hi)
+            right = tl.where(is_key[:, None], b[:, None] * (values - decay_in[:, None] * KQS), 0.0)
+            Z = tl.dot(M, right, input_precision="tf32")  # key rows: u; query rows: P u
+            tl.store(saved_u + i_n64 * stride_u_n + token[:, None] * stride_u_t + i_hv * stride_u_h + vs[None, :], Z,
+                     mask=(is_key & (token < T))[:, None])
+            out = decay_in[:, None] * KQS + Z
+            tl.store(o + i_n64 * stride_o_n + token[:, None] * stride_o_t + i_hv * stride_o_h + vs[None, :],
+                     out.to(o.dtype.element_ty), mask=(~is_key & (token < T))[:, None])
 
 
 def wy_recurrent(recipe, q, k, v, g, beta, *, op: str, state_pool, state_indices, out, num_accepted_tokens,
@@ -191,14 +232,14 @@ def wy_recurrent(recipe, q, k, v, g, beta, *, op: str, state_pool, state_indices
     T_verify = T
     if op == "commit":  # the commit of a pending verify, with no verify after it
         pending_k, pending_g, pending_u, TP, T_verify = k, g, saved_u, T, 0
-    BV, num_warps = launch_shape(op, TP, V)
+    BV, num_warps, tiles = launch_shape(op, TP, N, HV, V, sm_count(state_pool.device))
     A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, state_pool.device)
-    _wy_kernel[(N * HV * (V // BV),)](
+    _wy_kernel[(N * HV * (V // (BV * tiles)),)](
         q, k, v, g, beta, out, A_log, dt_bias, saved_u, pending_k, pending_g, pending_u,
         *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta), *strides3(out),
         *strides3(saved_u), *strides3(pending_k), *strides3(pending_g), *strides3(pending_u),
         recipe.scale, lower_bound, state_pool, state_indices, num_accepted_tokens, state_pool.stride(0),
         state_indices.stride(0), T=T_verify, TP=TP, H=H, HV=HV, K=K, V=V, BV=BV,
         LOG2_T=max(1, (T_verify - 1).bit_length()), QK_L2NORM=recipe.qk_l2norm, BETA_LOGITS=recipe.beta_logits,
-        num_warps=num_warps, **gate_flags,
+        TILES=tiles, STAGES=TILE_STAGES, num_warps=num_warps, **gate_flags,
     )
