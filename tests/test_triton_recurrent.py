@@ -502,6 +502,46 @@ def test_wy_verify_with_pending_and_commit(tokens, fused_gate, state_dtype, monk
     assert ops == ["deferred", "deferred", "deferred", "commit", "deferred", "commit"]
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16-pool", "fp32-pool"])
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "no-l2norm"])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_lightning_chunk_verify_and_commit(tokens, l2norm, state_dtype, monkeypatch, generator):
+    """Lightning with bfloat16 inputs runs its deferred verify and its commit as tensor-core
+    products (``verify_chunk_triton``; the test fails if another kernel runs them). On SLOTS
+    (padding row, NaN in the unused slots), a strong decay on one head: the verify against the
+    float64 oracle, a commit of every accepted count 0..T across the rows, then a second verify
+    from the committed states."""
+    from cula_serve.kernels.lightning import verify_chunk_triton
+    ops = []
+    lightning_chunk = verify_chunk_triton.lightning_chunk
+    monkeypatch.setattr(verify_chunk_triton, "lightning_chunk",
+                        lambda *a, **kw: (ops.append(kw["op"]), lightning_chunk(*a, **kw)))
+    N = len(SLOTS)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    accepted = torch.arange(N, dtype=torch.int32) % (tokens + 1)
+    pool, _ = _pool(WY, state_dtype, [s for s in SLOTS if s >= 0], generator)
+    ref_pool = pool.double()
+    tol = tolerance(torch.bfloat16, state_dtype)
+    for step in range(2):
+        kw = random_inputs("lightning", (N, tokens), **WY, generator=generator)
+        kw["decay"] = torch.tensor([-0.05, -6.0])  # a^16 of the second head: 1e-42, past float32's normals
+        if not l2norm:
+            kw["use_qk_l2norm_in_kernel"] = False
+            kw["scale"] = 0.05
+        q, k, v, rest = _split(kw)
+        o, pending = cula_verify(q, k, v, pool, mode="lightning", state_indices=slots, **rest, **TRITON)
+        q, k, v, rest = _split(to_float64(kw))
+        ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode="lightning", state_indices=slots, **rest, **ORACLE)
+        assert_close(o, ref_o, tol, f"verify {step} outputs")
+        assert (o[PAD] == 0).all()
+        cula_commit(pending, accepted)
+        cula_commit(ref_pending, accepted, algorithm="recurrent", compute_dtype=torch.float64)
+        _assert_same_writes(pool, ref_pool, tol, f"pool after commit {step}")
+        assert_untouched(pool, UNUSED)
+        accepted = accepted.flip(0)
+    assert ops == ["deferred", "commit"] * 2
+
+
 def test_wy_keeps_float32_inputs_on_the_token_kernel():
     """A float32 pool takes the WY form only with 16-bit inputs: its bfloat16 products would not
     hold float32 inputs to the 1e-5 tolerance."""

@@ -95,10 +95,36 @@ def launch_shape(op: str, TP: int, N: int, HV: int, V: int, num_sms: int) -> tup
       B = 8 (bfloat16 8.9 / 14.7 / 17.7 against 7.2 / 12.4 / 15.4);
     - below one head per SM a tile a program: B = 1 (32 heads), bfloat16, 4.4 / 5.8 / 7.8 against
       5.7 / 9.8 / 11.8 with 4 tiles."""
-    whole_heads = N * HV >= num_sms
     if op == "deferred" and TP > 0 and N * HV >= 8 * num_sms:
         return 16, 1, V // 16
-    return TILE_V, 2, V // TILE_V if whole_heads else 1
+    return TILE_V, 2, tiles_walked(N, HV, V, TILE_V, num_sms)
+
+
+def tiles_walked(N: int, HV: int, V: int, BV: int, num_sms: int) -> int:
+    """V tiles of BV columns a program walks: the whole head from one head per SM on, else one
+    (more programs for small batches)."""
+    return V // BV if N * HV >= num_sms else 1
+
+
+@triton.jit
+def bf16_parts(x):
+    """A float32 tile as bfloat16 hi + lo parts (16 bits of mantissa between them)."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def times_state(block_hi, block_lo, S):
+    """block S for a [16, K] float32 block given as ``bf16_parts`` and a state tile S^T [BV, K] as
+    the pool holds it: against a bfloat16 state, exact as stored, two products; against a float32
+    one, the state in two bfloat16 parts too, three (hi hi, hi lo, lo hi)."""
+    St = tl.trans(S)
+    if S.dtype == tl.bfloat16:
+        product = tl.dot(block_hi, St) + tl.dot(block_lo, St)
+    else:
+        S_hi, S_lo = bf16_parts(St)
+        product = tl.dot(block_hi, S_hi) + tl.dot(block_hi, S_lo) + tl.dot(block_lo, S_hi)
+    return product
 
 
 @triton.jit
@@ -190,9 +216,7 @@ def _wy_kernel(
         P = tl.where(is_key[:, None], 0.0, decay * gram)
         M = tl.where(is_key[:, None], X, tl.dot(P, X, input_precision="tf32"))
         decay_in = tl.exp(G)
-        # the block's bfloat16 parts once for all tiles (``_dot``'s splits would form them per tile)
-        KQ_hi = KQ.to(tl.bfloat16)
-        KQ_lo = (KQ - KQ_hi.to(tl.float32)).to(tl.bfloat16)
+        KQ_hi, KQ_lo = bf16_parts(KQ)  # once for all tiles (``_dot``'s splits would form them per tile)
 
     for j in tl.range(TILES, num_stages=STAGES):
         vs = (i_grp * TILES + j) * BV + tl.arange(0, BV)
@@ -207,13 +231,7 @@ def _wy_kernel(
         if T > 0:
             values = tl.load(v + i_n64 * stride_v_n + token[:, None] * stride_v_t + i_hv * stride_v_h + vs[None, :],
                              mask=key_rows[:, None], other=0.0).to(tl.float32)
-            St = tl.trans(S)
-            if S.dtype == tl.bfloat16:
-                KQS = tl.dot(KQ_hi, St) + tl.dot(KQ_lo, St)  # [K S^T; Q S^T]
-            else:
-                S_hi = St.to(tl.bfloat16)
-                S_lo = (St - S_hi.to(tl.float32)).to(tl.bfloat16)
-                KQS = tl.dot(KQ_hi, S_hi) + tl.dot(KQ_hi, S_lo) + tl.dot(KQ_lo, S_hi)
+            KQS = times_state(KQ_hi, KQ_lo, S)  # [K S^T; Q S^T]
             right = tl.where(is_key[:, None], b[:, None] * (values - decay_in[:, None] * KQS), 0.0)
             Z = tl.dot(M, right, input_precision="tf32")  # key rows: u; query rows: P u
             tl.store(saved_u + i_n64 * stride_u_n + token[:, None] * stride_u_t + i_hv * stride_u_h + vs[None, :], Z,

@@ -8,13 +8,15 @@ float32 (``naive.py`` is the oracle):
 Grid, tiling, pool layout and the meaning of ``op`` are those of the delta-rule kernel
 (``kernels/delta_rule/recurrent_triton.py``, whose pool-protocol helpers this kernel uses): one
 program per (sequence, value head, V-tile) holds its K x BV slice of the state in registers for
-all T tokens, so the state is read once and written once per call.
+all T tokens, so the state is read once and written once per call. Deferred verifies and commits
+with 16-bit inputs run as products on the tensor cores instead (``verify_chunk_triton.py``).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from . import verify_chunk_triton
 from ..common.pool_protocol import output_target, strides3, unit_last
 from ..delta_rule.recurrent_triton import (OP_COMMIT, block_v, device_guard, head_and_tile, load_buffer_row,
                                            load_head_vector, load_state, protocol_args, read_slot, rows_dot,
@@ -91,6 +93,14 @@ def lightning_recurrent(recipe, q, k, v, decay, *, op, state_pool, state_indices
                                 intermediate_indices=intermediate_indices, T=T)
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
     target = output_target(out)
+    if verify_chunk_triton.applies(op, state_pool, T, K, V, k.dtype):
+        with device_guard(v.device):
+            verify_chunk_triton.lightning_chunk(recipe, q, k, v, decay.contiguous(), op=op, state_pool=state_pool,
+                                                state_indices=state_indices, out=target,
+                                                num_accepted_tokens=num_accepted_tokens)
+        if target is not out:
+            out.copy_(target)
+        return out
     bv, num_warps = block_v(N, HV, K, V, v.device, op, "lightning")
     with device_guard(v.device):
         _lightning_recurrent_kernel[(N * HV * (V // bv),)](
