@@ -442,12 +442,16 @@ def test_deferred_commit_applies_the_verify_u(mode, generator):
 WY = dict(H=1, HV=2, K=64, V=64)  # GVA at the smallest head dims of GDN's WY verify (``verify_wy_triton.applies``)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16-pool", "fp32-pool"])
+WY_CASES = [("gdn", torch.bfloat16), ("gdn", torch.float32), ("kda", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("mode,state_dtype", WY_CASES, ids=["gdn-bf16-pool", "gdn-fp32-pool", "kda-bf16-pool"])
 @pytest.mark.parametrize("fused_gate", [True, False], ids=["fused-gate", "mild-gate"])
 @pytest.mark.parametrize("tokens", [1, 4, 8])
-def test_wy_verify_with_pending_and_commit(tokens, fused_gate, state_dtype, monkeypatch, generator):
-    """GDN with bfloat16 inputs runs its deferred verify, its verify with a pending commit and its
-    commit in WY form (``verify_wy_triton``; the test fails if another kernel runs them). A
+def test_wy_verify_with_pending_and_commit(mode, tokens, fused_gate, state_dtype, monkeypatch, generator):
+    """GDN and KDA with bfloat16 inputs run their deferred verify, their verify with a pending
+    commit and their commit in WY form (``verify_wy_triton``; the test fails if another kernel
+    runs them); KDA's fused gates decay every token after the first strongly. A
     deferred verify on SLOTS (padding row, NaN in the unused slots; keys alike, beta near 1), a
     verify that commits it first with every accepted count 0..T across the rows, and the last
     commit: against the float64 oracle, and the verify with pending= against a separate commit and
@@ -459,8 +463,8 @@ def test_wy_verify_with_pending_and_commit(tokens, fused_gate, state_dtype, monk
     N = len(SLOTS)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     accepted = torch.arange(N, dtype=torch.int32) % (tokens + 1)
-    first = random_inputs("gdn", (N, tokens), **WY, fused_gate=fused_gate, generator=generator)
-    second = random_inputs("gdn", (N, tokens), **WY, fused_gate=fused_gate, generator=generator)
+    first = random_inputs(mode, (N, tokens), **WY, fused_gate=fused_gate, generator=generator)
+    second = random_inputs(mode, (N, tokens), **WY, fused_gate=fused_gate, generator=generator)
     if fused_gate:  # the same layer: the commit goes into the verify
         second.update(A_log=first["A_log"], dt_bias=first["dt_bias"])
     for kw in (first, second):
@@ -468,26 +472,30 @@ def test_wy_verify_with_pending_and_commit(tokens, fused_gate, state_dtype, monk
         # (I + A)^-1 counts
         kw["k"] = kw["k"][:, :1] + 0.2 * kw["k"]
         kw["beta"] = kw["beta"] + 4.0 if fused_gate else 0.5 + 0.5 * kw["beta"]
+        if mode == "kda" and fused_gate:
+            # softplus about 30 after the first token: log decays far below LOG_DECAY_FLOOR, seven
+            # of them in a row at T = 8 (the floored factors must stay finite)
+            kw["g"][:, 1:] += 30.0
     pool, _ = _pool(WY, state_dtype, [s for s in SLOTS if s >= 0], generator)
     separate, ref_pool = pool.clone(), pool.double()
     tol = tolerance(torch.bfloat16, state_dtype)
 
     q, k, v, rest = _split(first)
-    o, pending = cula_verify(q, k, v, pool, mode="gdn", state_indices=slots, **rest, **TRITON)
-    _, separate_pending = cula_verify(q, k, v, separate, mode="gdn", state_indices=slots, **rest, **TRITON)
+    o, pending = cula_verify(q, k, v, pool, mode=mode, state_indices=slots, **rest, **TRITON)
+    _, separate_pending = cula_verify(q, k, v, separate, mode=mode, state_indices=slots, **rest, **TRITON)
     q, k, v, rest = _split(to_float64(first))
-    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode="gdn", state_indices=slots, **rest, **ORACLE)
+    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
     assert_close(o, ref_o, tol, "verify outputs")
     assert (o[PAD] == 0).all() and (pending.saved[PAD] == 0).all()
 
     q, k, v, rest = _split(second)
-    o, pending = cula_verify(q, k, v, pool, mode="gdn", state_indices=slots, pending=pending,
+    o, pending = cula_verify(q, k, v, pool, mode=mode, state_indices=slots, pending=pending,
                              num_accepted_tokens=accepted, **rest, **TRITON)
     cula_commit(separate_pending, accepted)
-    separate_o, _ = cula_verify(q, k, v, separate, mode="gdn", state_indices=slots, **rest, **TRITON)
+    separate_o, _ = cula_verify(q, k, v, separate, mode=mode, state_indices=slots, **rest, **TRITON)
     cula_commit(ref_pending, accepted, algorithm="recurrent", compute_dtype=torch.float64)
     q, k, v, rest = _split(to_float64(second))
-    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode="gdn", state_indices=slots, **rest, **ORACLE)
+    ref_o, ref_pending = cula_verify(q, k, v, ref_pool, mode=mode, state_indices=slots, **rest, **ORACLE)
     assert_close(o, ref_o, tol, "outputs of the verify with pending=")
     assert (o[PAD] == 0).all()
     _assert_same_writes(pool, ref_pool, tol, "pool after the commit inside the verify")
@@ -542,15 +550,17 @@ def test_lightning_chunk_verify_and_commit(tokens, l2norm, state_dtype, monkeypa
     assert ops == ["deferred", "commit"] * 2
 
 
-def test_wy_keeps_float32_inputs_on_the_token_kernel():
-    """A float32 pool takes the WY form only with 16-bit inputs: its bfloat16 products would not
-    hold float32 inputs to the 1e-5 tolerance."""
-    recipe = types.SimpleNamespace(mode="gdn")
+def test_which_verifies_take_the_wy_form():
+    """A float32 pool takes the WY form only with 16-bit inputs (its bfloat16 products would not
+    hold float32 inputs to the 1e-5 tolerance), KDA only with a bfloat16 pool."""
+    gdn, kda = types.SimpleNamespace(mode="gdn"), types.SimpleNamespace(mode="kda")
     pool = torch.zeros(1, 1, 64, 64)
-    saved_u = torch.zeros(1, 4, 1, 64)
-    assert verify_wy_triton.applies(recipe, "deferred", pool, saved_u, 4, 0, 64, 64, torch.bfloat16)
-    assert not verify_wy_triton.applies(recipe, "deferred", pool, saved_u, 4, 0, 64, 64, torch.float32)
-    assert verify_wy_triton.applies(recipe, "commit", pool.bfloat16(), saved_u, 4, 0, 64, 64, torch.float32)
+    shape = (torch.zeros(1, 4, 1, 64), 4, 0, 64, 64)  # saved u, T, TP, K, V
+    assert verify_wy_triton.applies(gdn, "deferred", pool, *shape, torch.bfloat16, heads=1)
+    assert not verify_wy_triton.applies(gdn, "deferred", pool, *shape, torch.float32, heads=1)
+    assert verify_wy_triton.applies(gdn, "commit", pool.bfloat16(), *shape, torch.float32, heads=1)
+    assert verify_wy_triton.applies(kda, "commit", pool.bfloat16(), *shape, torch.bfloat16, heads=1)
+    assert not verify_wy_triton.applies(kda, "commit", pool, *shape, torch.bfloat16, heads=1)
 
 
 # ------------------------------------------------------------------------------------------------

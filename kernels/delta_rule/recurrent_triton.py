@@ -30,8 +30,8 @@ with a pending commit) read their decays, formed once per token and head by a la
 (``channel_decays``, ``uses_channel_decays``), and take the split layout; where KDA forms its gate
 in the kernel it keeps LV = 1, KL = K, the plain layout, and so does a commit from saved u, which
 has no reductions left. GDN's deferred verifies and commits (bfloat16 pools, and float32 pools
-with 16-bit inputs) leave this kernel for one that runs the tokens as tensor-core products
-(``verify_wy_triton.py``).
+with 16-bit inputs) and KDA's on bfloat16 pools (from one head per SM) leave this kernel for one
+that runs the tokens as tensor-core products (``verify_wy_triton.py``).
 
 The pool is ``[P, HV, V, K]`` (K-last, ``pool[slot, hv, v, k] == S[k, v]``), float32 or bfloat16
 (loaded to float32, rounded to the pool dtype on store); dim 0 may have any stride (vLLM pages),
@@ -642,7 +642,7 @@ def delta_rule_recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indi
     target = output_target(out)
     check_saved_u(saved_u, op, (N, T, HV, V))
     from . import verify_wy_triton  # it imports this module's helpers
-    if verify_wy_triton.applies(recipe, op, state_pool, saved_u, T, TP, K, V, k.dtype):
+    if verify_wy_triton.applies(recipe, op, state_pool, saved_u, T, TP, K, V, k.dtype, N * HV):
         with device_guard(v.device):
             verify_wy_triton.wy_recurrent(recipe, q, k, v, g, beta, op=op, state_pool=state_pool,
                                           state_indices=state_indices, out=target,

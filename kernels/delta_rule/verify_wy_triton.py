@@ -1,4 +1,4 @@
-"""GDN's deferred verify and commit in Triton, in WY form on the tensor cores.
+"""GDN's and KDA's deferred verify and commit in Triton, in WY form on the tensor cores.
 
 The token-by-token kernel (``recurrent_triton.py``) reduces the state over K twice per token and
 is bound by issuing those reductions: GDN's verify + commit of T = 4 tokens took 2.7x a decode
@@ -24,6 +24,15 @@ A commit of the first a_n tokens from their saved u is S^T <- exp(G_a) S^T + u^T
 verifies from the committed state as the pool holds it (rounded to bfloat16). The standalone
 commit runs the same code, so that the two paths agree bit for bit.
 
+KDA's gate decays each channel on its own: exp(G_t - G_s) becomes a [K] vector per pair, so the
+decays go into the block's rows before the state products ((K * exp(G)) S^T, channel by channel)
+and into the pair products as two factors, A_ts = beta_t sum_c k_t[c] exp(G_t[c] - G_r[c])
+k_s[c] exp(G_r[c] - G_s[c]) with r the middle token, one product. Each factor stays finite once
+a token's log decay is floored at LOG_DECAY_FLOOR (-20: no factor beyond exp(80) at T <= 8); a
+pair's decay then reads exp(-20) = 2e-9 where it is smaller, against the bfloat16 outputs'
+2^-9. The pairs above the diagonal, where the factors' product may overflow, are masked out. The
+state's and the commit's decays stay exact.
+
 A program takes one (sequence, value head) and walks the head's V tiles of 32 columns, with the
 next tile's state loads in flight while it works on the current one: everything that does not
 depend on the state (the block, its norms and gates, A, X, P, the commit's decayed keys) is formed
@@ -43,14 +52,18 @@ form (a program per V tile of 64 or 128 columns) -> this: verify with a pending 
 -> 70.8 / 261.9 -> 56.8 / 200.8, deferred verify + commit 105.2 / 388.2 -> 77.0 / 268.8 -> 70.6 /
 237.9, against a decode step of 38.5 / 143.1 (1.47x and 1.83x at B = 64). float32 pool, the token
 kernel -> this: 120.7 / 425.1 -> 101.2 / 345.5 and 152.1 / 557.0 -> 127.0 / 446.0, against 69.6 /
-267.8 (1.45x and 1.82x). The commit's product in tf32 was 2.3 us slower and in IEEE float32 25x slower
-(the products on CUDA-core FMAs spill); kept in the token kernel, the standalone commit was 5 us
-faster but disagreed with the commit inside a verify by 9e-4 (relative, bfloat16 pool), against
-the 1e-4 that the two paths are held to.
+267.8 (1.45x and 1.82x). KDA 32 heads, bfloat16 pool, token kernel -> this: 107.3 / 408.1 ->
+89.8 / 320.5 and 113.7 / 408.5 -> 104.5 / 350.4, against 38.3 / 143.7 (2.34x and 2.73x at B = 64);
+its float32 pool's verify with a pending commit lost (132.9 -> 134.6 at B = 64), and so did B = 1
+(8.5 -> 10.5 us with a bfloat16 pool). The commit's product in tf32 was 2.3 us slower and in IEEE
+float32 25x slower (the products on CUDA-core FMAs spill); kept in the token kernel, the
+standalone commit was 5 us faster but disagreed with the commit inside a verify by 9e-4
+(relative, bfloat16 pool), against the 1e-4 that the two paths are held to.
 
-Where: GDN (scalar gate), "deferred" verifies (with or without a pending commit) and "commit"s
-from saved u, bfloat16 pools, float32 pools with 16-bit inputs, T <= 8 (a pending verify's up to
-16), K in {64, 128} and V a multiple of 32. Everything else runs the token kernel.
+Where: "deferred" verifies (with or without a pending commit) and "commit"s from saved u, T <= 8
+(a pending verify's up to 16), K in {64, 128} and V a multiple of 32; GDN with bfloat16 pools or
+float32 pools with 16-bit inputs, KDA with bfloat16 pools from one head per SM. Everything else
+runs the token kernel.
 """
 from __future__ import annotations
 
@@ -59,7 +72,7 @@ import triton
 import triton.language as tl
 
 from .chunk_triton import _dot, _gate_params
-from .recurrent_triton import L2NORM_EPS, _token_log_decay, head_and_tile
+from .recurrent_triton import L2NORM_EPS, _token_log_decay, fast_log, head_and_tile
 from ..common.pool_protocol import strides3
 from ..common.segments import sm_count
 
@@ -67,16 +80,23 @@ ROWS = tl.constexpr(16)  # tl.dot's smallest M and K
 KEY_ROWS = tl.constexpr(8)  # rows 0 .. 7 keys, 8 .. 15 queries: T <= 8
 TILE_V = 32  # state columns of a V tile
 TILE_STAGES = 3  # V tiles whose state loads are in flight at once
+LOG_DECAY_FLOOR = tl.constexpr(-20.0)  # KDA's pair decays: each token's log decay floored here
 
 
 def applies(recipe, op: str, state_pool: torch.Tensor, saved_u, T: int, TP: int, K: int, V: int,
-            input_dtype: torch.dtype) -> bool:
-    """Whether ``recurrent_triton.delta_rule_recurrent`` runs ``op`` here (module docstring). A
-    commit of up to 16 tokens does, a verify of up to 8: a verify of 9 to 16 tokens with a pending
-    commit runs the token kernel, whose commit agrees with this one to rounding, not bit for bit."""
-    pool_ok = state_pool.dtype == torch.bfloat16 or (
-        state_pool.dtype == torch.float32 and input_dtype in (torch.bfloat16, torch.float16))
-    return (recipe.mode == "gdn" and op in ("deferred", "commit") and pool_ok and saved_u is not None
+            input_dtype: torch.dtype, heads: int) -> bool:
+    """Whether ``recurrent_triton.delta_rule_recurrent`` runs ``op`` here (module docstring) for
+    ``heads`` = N * HV. A commit of up to 16 tokens does, a verify of up to 8: a verify of 9 to 16
+    tokens with a pending commit runs the token kernel, whose commit agrees with this one to
+    rounding, not bit for bit. KDA only with a bfloat16 pool and a head per SM or more: its
+    per-channel decays make the per-head work larger, so that a float32 pool's verify with a
+    pending commit and small batches (B = 1) lost to the token kernel."""
+    if recipe.mode == "kda":
+        pool_ok = state_pool.dtype == torch.bfloat16 and heads >= sm_count(state_pool.device)
+    else:
+        pool_ok = recipe.mode == "gdn" and (state_pool.dtype == torch.bfloat16 or (
+            state_pool.dtype == torch.float32 and input_dtype in (torch.bfloat16, torch.float16)))
+    return (pool_ok and op in ("deferred", "commit") and saved_u is not None
             and T <= (ROWS if op == "commit" else KEY_ROWS) and TP <= ROWS and K in (64, 128)
             and V % TILE_V == 0)
 
@@ -128,6 +148,13 @@ def times_state(block_hi, block_lo, S):
 
 
 @triton.jit
+def _token_cumsum(log_decay, is_key):
+    """G of each row's token for rows [keys; queries] ([16] or [16, K]): the running sum over the
+    key rows, restarted at the first query row (query row 8 + t has key row t's G)."""
+    return tl.cumsum(log_decay, 0) - tl.where(is_key, 0.0, tl.sum(tl.where(is_key, log_decay, 0.0), 0))
+
+
+@triton.jit
 def _wy_kernel(
     q, k, v, g, beta, o, A_log, dt_bias, saved_u, pending_k, pending_g, pending_u,
     stride_q_n, stride_q_t, stride_q_h,
@@ -144,7 +171,7 @@ def _wy_kernel(
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, LOG2_T: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    TILES: tl.constexpr, STAGES: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, FAST_LOG: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One (sequence, value head, group of TILES V tiles of BV columns): with TP > 0 the commit of
     the first num_accepted[n] of TP pending tokens (k, g, u: ``pending_*``) into the pool, then with
@@ -166,7 +193,10 @@ def _wy_kernel(
     if FUSED_GATE:
         A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if HAS_DT_BIAS:
-            bias = tl.load(dt_bias + i_hv).to(tl.float32)
+            if PER_CHANNEL:
+                bias = tl.load(dt_bias + i_hv * K + ks).to(tl.float32)[None, :]
+            else:
+                bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
     if TP > 0:
         accepted = tl.where(live, tl.load(num_accepted + i_n), 0)
@@ -175,11 +205,17 @@ def _wy_kernel(
                        mask=committed[:, None], other=0.0).to(tl.float32)
         if QK_L2NORM:
             keys = keys * tl.rsqrt(tl.sum(keys * keys, 1) + L2NORM_EPS)[:, None]
-        log_decay_c = _token_log_decay(pending_g, i_n64 * stride_pg_n + rows * stride_pg_t + i_hv * stride_pg_h, 0,
-                                       committed, A, bias, lower_bound, False, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS,
-                                       False)
-        G_end = tl.sum(log_decay_c, 0)
-        keys_after = keys * tl.exp(G_end - tl.cumsum(log_decay_c, 0))[:, None]  # decayed to the last token
+        pending_offsets = i_n64 * stride_pg_n + rows * stride_pg_t + i_hv * stride_pg_h
+        if PER_CHANNEL:  # [16, K]: the state decays along its K columns
+            log_decay_c = _token_log_decay(pending_g, pending_offsets[:, None], ks[None, :], committed[:, None], A,
+                                           bias, lower_bound, True, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, FAST_LOG)
+            G_end = tl.sum(log_decay_c, 0)[None, :]
+            keys_after = keys * tl.exp(G_end - tl.cumsum(log_decay_c, 0))  # decayed to the last token
+        else:
+            log_decay_c = _token_log_decay(pending_g, pending_offsets, 0, committed, A, bias, lower_bound, False,
+                                           FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, False)
+            G_end = tl.sum(log_decay_c, 0)
+            keys_after = keys * tl.exp(G_end - tl.cumsum(log_decay_c, 0))[:, None]
 
     if T > 0:
         token = rows % KEY_ROWS
@@ -195,28 +231,44 @@ def _wy_kernel(
         if QK_L2NORM:
             factor = factor * tl.rsqrt(tl.sum(KQ * KQ, 1) + L2NORM_EPS)
         KQ = KQ * factor[:, None]
-        log_decay = _token_log_decay(g, i_n64 * stride_g_n + token * stride_g_t + i_hv * stride_g_h, 0, active, A,
-                                     bias, lower_bound, False, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, False)
-        # G of each row's token: the query rows' running sum restarts at their first row
-        G = tl.cumsum(log_decay, 0) - tl.where(is_key, 0.0, tl.sum(tl.where(is_key, log_decay, 0.0), 0))
+        earlier = is_key[None, :] & (token[None, :] <= token[:, None])  # (row, key column s <= its token)
+        gate_offsets = i_n64 * stride_g_n + token * stride_g_t + i_hv * stride_g_h
+        if PER_CHANNEL:
+            log_decay = _token_log_decay(g, gate_offsets[:, None], ks[None, :], active[:, None], A, bias,
+                                         lower_bound, True, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, FAST_LOG)
+            G = _token_cumsum(log_decay, is_key[:, None])
+            # the pairs' decays as a product of two factors around the token REF, each within
+            # exp(+-4 * LOG_DECAY_FLOOR) once a token's log decay is floored (module docstring)
+            G_floor = _token_cumsum(tl.maximum(log_decay, LOG_DECAY_FLOOR), is_key[:, None])
+            G_ref = tl.sum(tl.where(rows[:, None] == (T - 1) // 2, G_floor, 0.0), 0)[None, :]
+            gram = tl.dot(KQ * tl.exp(G_floor - G_ref), tl.trans(KQ * tl.exp(G_ref - G_floor)),
+                          input_precision="tf32")
+            decayed_gram = tl.where(earlier, gram, 0.0)  # above the diagonal: may be inf
+        else:
+            log_decay = _token_log_decay(g, gate_offsets, 0, active, A, bias, lower_bound, False, FUSED_GATE,
+                                         SAFE_GATE, HAS_DT_BIAS, False)
+            G = _token_cumsum(log_decay, is_key)
+            gram = tl.dot(KQ, tl.trans(KQ), input_precision="tf32")
+            decayed_gram = tl.exp(tl.where(earlier, G[:, None] - G[None, :], -float("inf"))) * gram
         b = tl.load(beta + i_n64 * stride_b_n + token * stride_b_t + i_hv * stride_b_h, mask=key_rows,
                     other=0.0).to(tl.float32)
         if BETA_LOGITS:
             b = tl.sigmoid(b)
         b = tl.where(key_rows, b, 0.0)
-        gram = tl.dot(KQ, tl.trans(KQ), input_precision="tf32")
-        earlier = is_key[None, :] & (token[None, :] <= token[:, None])  # (row, key column s <= its token)
-        decay = tl.exp(tl.where(earlier, G[:, None] - G[None, :], -float("inf")))
-        A_mat = tl.where(is_key[:, None] & (token[None, :] < token[:, None]), decay * gram, 0.0) * b[:, None]
+        A_mat = tl.where(is_key[:, None] & (token[None, :] < token[:, None]), decayed_gram, 0.0) * b[:, None]
         X = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - A_mat
         power = A_mat
         for _ in tl.static_range(LOG2_T - 1):
             power = tl.dot(power, power, input_precision="tf32")
             X = X + tl.dot(X, power, input_precision="tf32")
-        P = tl.where(is_key[:, None], 0.0, decay * gram)
+        P = tl.where(is_key[:, None], 0.0, decayed_gram)
         M = tl.where(is_key[:, None], X, tl.dot(P, X, input_precision="tf32"))
-        decay_in = tl.exp(G)
-        KQ_hi, KQ_lo = bf16_parts(KQ)  # once for all tiles (``_dot``'s splits would form them per tile)
+        if PER_CHANNEL:  # the decays go into the block, channel by channel
+            KQ_hi, KQ_lo = bf16_parts(KQ * tl.exp(G))
+            decay_in = 1.0
+        else:
+            KQ_hi, KQ_lo = bf16_parts(KQ)  # once for all tiles (``_dot``'s splits would form them per tile)
+            decay_in = tl.exp(G)[:, None]
 
     for j in tl.range(TILES, num_stages=STAGES):
         vs = (i_grp * TILES + j) * BV + tl.arange(0, BV)
@@ -232,11 +284,11 @@ def _wy_kernel(
             values = tl.load(v + i_n64 * stride_v_n + token[:, None] * stride_v_t + i_hv * stride_v_h + vs[None, :],
                              mask=key_rows[:, None], other=0.0).to(tl.float32)
             KQS = times_state(KQ_hi, KQ_lo, S)  # [K S^T; Q S^T]
-            right = tl.where(is_key[:, None], b[:, None] * (values - decay_in[:, None] * KQS), 0.0)
+            right = tl.where(is_key[:, None], b[:, None] * (values - decay_in * KQS), 0.0)
             Z = tl.dot(M, right, input_precision="tf32")  # key rows: u; query rows: P u
             tl.store(saved_u + i_n64 * stride_u_n + token[:, None] * stride_u_t + i_hv * stride_u_h + vs[None, :], Z,
                      mask=(is_key & (token < T))[:, None])
-            out = decay_in[:, None] * KQS + Z
+            out = decay_in * KQS + Z
             tl.store(o + i_n64 * stride_o_n + token[:, None] * stride_o_t + i_hv * stride_o_h + vs[None, :],
                      out.to(o.dtype.element_ty), mask=(~is_key & (token < T))[:, None])
 
@@ -259,5 +311,6 @@ def wy_recurrent(recipe, q, k, v, g, beta, *, op: str, state_pool, state_indices
         recipe.scale, lower_bound, state_pool, state_indices, num_accepted_tokens, state_pool.stride(0),
         state_indices.stride(0), T=T_verify, TP=TP, H=H, HV=HV, K=K, V=V, BV=BV,
         LOG2_T=max(1, (T_verify - 1).bit_length()), QK_L2NORM=recipe.qk_l2norm, BETA_LOGITS=recipe.beta_logits,
-        TILES=tiles, STAGES=TILE_STAGES, num_warps=num_warps, **gate_flags,
+        PER_CHANNEL=recipe.mode == "kda", FAST_LOG=fast_log(recipe.mode == "kda", op, k.dtype), TILES=tiles,
+        STAGES=TILE_STAGES, num_warps=num_warps, **gate_flags,
     )
