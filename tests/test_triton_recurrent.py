@@ -45,9 +45,10 @@ POOL_SIZE = 32
 
 @pytest.fixture(autouse=True)
 def faithful_interpreter():
-    """Every test here: bf16 and tf32 products computed as the GPU computes them. GDN's deferred
-    verifies and commits with 16-bit inputs run the WY kernel's products (``verify_wy_triton``),
-    which the unpatched interpreter computes wrong."""
+    """Every test here: bf16 and tf32 products computed as the GPU computes them. Deferred
+    verifies and commits with 16-bit inputs run tensor-core products (GDN's and KDA's in
+    ``verify_wy_triton``, Lightning's in ``verify_chunk_triton``), which the unpatched interpreter
+    computes wrong."""
     with gpu_faithful_interpreter():
         yield
 
@@ -439,7 +440,7 @@ def test_deferred_commit_applies_the_verify_u(mode, generator):
     assert torch.equal(poisoned[SLOTS[3]], from_u[SLOTS[3]])
 
 
-WY = dict(H=1, HV=2, K=64, V=64)  # GVA at the smallest head dims of GDN's WY verify (``verify_wy_triton.applies``)
+WY = dict(H=1, HV=2, K=64, V=64)  # GVA at the smallest head dims of the tensor-core verifies (their ``applies``)
 
 
 WY_CASES = [("gdn", torch.bfloat16), ("gdn", torch.float32), ("kda", torch.bfloat16)]
