@@ -446,6 +446,14 @@ WY = dict(H=1, HV=2, K=64, V=64)  # GVA at the smallest head dims of the tensor-
 WY_CASES = [("gdn", torch.bfloat16), ("gdn", torch.float32), ("kda", torch.bfloat16)]
 
 
+def _record_ops(monkeypatch, module, launcher: str) -> list:
+    """The ``op`` of every call of ``module.launcher`` from here on, in order (the call still runs)."""
+    ops = []
+    launch = getattr(module, launcher)
+    monkeypatch.setattr(module, launcher, lambda *a, **kw: (ops.append(kw["op"]), launch(*a, **kw)))
+    return ops
+
+
 @pytest.mark.parametrize("mode,state_dtype", WY_CASES, ids=["gdn-bf16-pool", "gdn-fp32-pool", "kda-bf16-pool"])
 @pytest.mark.parametrize("fused_gate", [True, False], ids=["fused-gate", "mild-gate"])
 @pytest.mark.parametrize("tokens", [1, 4, 8])
@@ -457,10 +465,7 @@ def test_wy_verify_with_pending_and_commit(mode, tokens, fused_gate, state_dtype
     verify that commits it first with every accepted count 0..T across the rows, and the last
     commit: against the float64 oracle, and the verify with pending= against a separate commit and
     verify bit for bit (the same commit code, so the engine's two paths agree exactly)."""
-    ops = []
-    wy_recurrent = verify_wy_triton.wy_recurrent
-    monkeypatch.setattr(verify_wy_triton, "wy_recurrent",
-                        lambda *a, **kw: (ops.append(kw["op"]), wy_recurrent(*a, **kw)))
+    ops = _record_ops(monkeypatch, verify_wy_triton, "wy_recurrent")
     N = len(SLOTS)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     accepted = torch.arange(N, dtype=torch.int32) % (tokens + 1)
@@ -521,10 +526,7 @@ def test_lightning_chunk_verify_and_commit(tokens, l2norm, state_dtype, monkeypa
     float64 oracle, a commit of every accepted count 0..T across the rows, then a second verify
     from the committed states."""
     from cula_serve.kernels.lightning import verify_chunk_triton
-    ops = []
-    lightning_chunk = verify_chunk_triton.lightning_chunk
-    monkeypatch.setattr(verify_chunk_triton, "lightning_chunk",
-                        lambda *a, **kw: (ops.append(kw["op"]), lightning_chunk(*a, **kw)))
+    ops = _record_ops(monkeypatch, verify_chunk_triton, "lightning_chunk")
     N = len(SLOTS)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     accepted = torch.arange(N, dtype=torch.int32) % (tokens + 1)
