@@ -443,7 +443,8 @@ def test_deferred_commit_applies_the_verify_u(mode, generator):
 WY = dict(H=1, HV=2, K=64, V=64)  # GVA at the smallest head dims of the tensor-core verifies (their ``applies``)
 
 
-WY_CASES = [("gdn", torch.bfloat16), ("gdn", torch.float32), ("kda", torch.bfloat16)]
+WY_CASES = [("gdn", torch.bfloat16), ("gdn", torch.float32), ("kda", torch.bfloat16), ("kda", torch.float32)]
+TYPE_IDS = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def _record_ops(monkeypatch, module, launcher: str) -> list:
@@ -454,7 +455,7 @@ def _record_ops(monkeypatch, module, launcher: str) -> list:
     return ops
 
 
-@pytest.mark.parametrize("mode,state_dtype", WY_CASES, ids=["gdn-bf16-pool", "gdn-fp32-pool", "kda-bf16-pool"])
+@pytest.mark.parametrize("mode,state_dtype", WY_CASES, ids=[f"{mode}-{TYPE_IDS[dtype]}-pool" for mode, dtype in WY_CASES])
 @pytest.mark.parametrize("fused_gate", [True, False], ids=["fused-gate", "mild-gate"])
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 def test_wy_verify_with_pending_and_commit(mode, tokens, fused_gate, state_dtype, monkeypatch, generator):
@@ -555,7 +556,7 @@ def test_lightning_chunk_verify_and_commit(tokens, l2norm, state_dtype, monkeypa
 
 def test_which_verifies_take_the_wy_form():
     """A float32 pool takes the WY form only with 16-bit inputs (its bfloat16 products would not
-    hold float32 inputs to the 1e-5 tolerance), KDA only with a bfloat16 pool."""
+    hold float32 inputs to the 1e-5 tolerance), GDN and KDA alike."""
     gdn, kda = types.SimpleNamespace(mode="gdn"), types.SimpleNamespace(mode="kda")
     pool = torch.zeros(1, 1, 64, 64)
     shape = (torch.zeros(1, 4, 1, 64), 4, 0, 64, 64)  # saved u, T, TP, K, V
@@ -563,7 +564,8 @@ def test_which_verifies_take_the_wy_form():
     assert not verify_wy_triton.applies(gdn, "deferred", pool, *shape, torch.float32, heads=1)
     assert verify_wy_triton.applies(gdn, "commit", pool.bfloat16(), *shape, torch.float32, heads=1)
     assert verify_wy_triton.applies(kda, "commit", pool.bfloat16(), *shape, torch.bfloat16, heads=1)
-    assert not verify_wy_triton.applies(kda, "commit", pool, *shape, torch.bfloat16, heads=1)
+    assert verify_wy_triton.applies(kda, "commit", pool, *shape, torch.bfloat16, heads=1)
+    assert not verify_wy_triton.applies(kda, "deferred", pool, *shape, torch.float32, heads=1)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ A fresh process without ``TRITON_INTERPRET`` runs the Level-1 API on CPU tensors
 launches recorded instead of run (prefill of GDN, KDA and Lightning with bf16 and float32
 inputs, checkpoints and segments; KDA's operands for the cute backend's state pass; decode;
 verify in the three protocols, with a pending commit, and commit), then compiles each distinct
-launch (80: about 85 s on one core) for sm_90 with its arguments' types, constexprs and options."""
+launch (79: about 85 s on one core) for sm_90 with its arguments' types, constexprs and options."""
 import os
 import subprocess
 import sys

@@ -29,9 +29,9 @@ token) makes it lose (117.7 -> 129.8 us). So KDA's deferred verifies (with a bfl
 with a pending commit) read their decays, formed once per token and head by a launch before them
 (``channel_decays``, ``uses_channel_decays``), and take the split layout; where KDA forms its gate
 in the kernel it keeps LV = 1, KL = K, the plain layout, and so does a commit from saved u, which
-has no reductions left. GDN's deferred verifies and commits (bfloat16 pools, and float32 pools
-with 16-bit inputs) and KDA's on bfloat16 pools (from one head per SM) leave this kernel for one
-that runs the tokens as tensor-core products (``verify_wy_triton.py``).
+has no reductions left. GDN's and KDA's deferred verifies and commits (bfloat16 pools, and
+float32 pools with 16-bit inputs; KDA from one head per SM) leave this kernel for one that runs
+the tokens as tensor-core products (``verify_wy_triton.py``).
 
 The pool is ``[P, HV, V, K]`` (K-last, ``pool[slot, hv, v, k] == S[k, v]``), float32 or bfloat16
 (loaded to float32, rounded to the pool dtype on store); dim 0 may have any stride (vLLM pages),

@@ -31,7 +31,8 @@ k_s[c] exp(G_r[c] - G_s[c]) with r the middle token, one product. Each factor st
 a token's log decay is floored at LOG_DECAY_FLOOR (-20: no factor beyond exp(80) at T <= 8); a
 pair's decay then reads exp(-20) = 2e-9 where it is smaller, against the bfloat16 outputs'
 2^-9. The pairs above the diagonal, where the factors' product may overflow, are masked out. The
-state's and the commit's decays stay exact.
+state's and the commit's decays stay exact. The gates, their cumulative sums and exponentials are
+formed on the rows of the T distinct tokens and spread over the 16-row block (``_rows_repeated``).
 
 A program takes one (sequence, value head) and walks the head's V tiles of 32 columns, with the
 next tile's state loads in flight while it works on the current one: everything that does not
@@ -53,17 +54,17 @@ form (a program per V tile of 64 or 128 columns) -> this: verify with a pending 
 237.9, against a decode step of 38.5 / 143.1 (1.47x and 1.83x at B = 64). float32 pool, the token
 kernel -> this: 120.7 / 425.1 -> 101.2 / 345.5 and 152.1 / 557.0 -> 127.0 / 446.0, against 69.6 /
 267.8 (1.45x and 1.82x). KDA 32 heads, bfloat16 pool, token kernel -> this: 107.3 / 408.1 ->
-89.8 / 320.5 and 113.7 / 408.5 -> 104.5 / 350.4, against 38.3 / 143.7 (2.34x and 2.73x at B = 64);
-its float32 pool's verify with a pending commit lost (132.9 -> 134.6 at B = 64), and so did B = 1
-(8.5 -> 10.5 us with a bfloat16 pool). The commit's product in tf32 was 2.3 us slower and in IEEE
+64.8 / 234.1 and 113.7 / 408.5 -> 74.7 / 261.9, against 37.9 / 143.1 (1.71x and 1.97x at B = 64);
+float32 pool with bfloat16 inputs: 132.0 / 485.0 -> 105.2 / 359.9 and 159.3 / 560.0 -> 131.9 /
+473.2, against 69.8 / 268.7 (1.51x and 1.89x). KDA at B = 1 lost (8.5 -> 10.5 us with a bfloat16
+pool, before the gates on distinct rows). The commit's product in tf32 was 2.3 us slower and in IEEE
 float32 25x slower (the products on CUDA-core FMAs spill); kept in the token kernel, the
 standalone commit was 5 us faster but disagreed with the commit inside a verify by 9e-4
 (relative, bfloat16 pool), against the 1e-4 that the two paths are held to.
 
 Where: "deferred" verifies (with or without a pending commit) and "commit"s from saved u, T <= 8
-(a pending verify's up to 16), K in {64, 128} and V a multiple of 32; GDN with bfloat16 pools or
-float32 pools with 16-bit inputs, KDA with bfloat16 pools from one head per SM. Everything else
-runs the token kernel.
+(a pending verify's up to 16), K in {64, 128} and V a multiple of 32; bfloat16 pools, or float32
+pools with 16-bit inputs; KDA from one head per SM. Everything else runs the token kernel.
 """
 from __future__ import annotations
 
@@ -88,36 +89,47 @@ def applies(recipe, op: str, state_pool: torch.Tensor, saved_u, T: int, TP: int,
     """Whether ``recurrent_triton.delta_rule_recurrent`` runs ``op`` here (module docstring) for
     ``heads`` = N * HV. A commit of up to 16 tokens does, a verify of up to 8: a verify of 9 to 16
     tokens with a pending commit runs the token kernel, whose commit agrees with this one to
-    rounding, not bit for bit. KDA only with a bfloat16 pool and a head per SM or more: its
-    per-channel decays make the per-head work larger, so that a float32 pool's verify with a
-    pending commit and small batches (B = 1) lost to the token kernel."""
-    if recipe.mode == "kda":
-        pool_ok = state_pool.dtype == torch.bfloat16 and heads >= sm_count(state_pool.device)
-    else:
-        pool_ok = recipe.mode == "gdn" and (state_pool.dtype == torch.bfloat16 or (
-            state_pool.dtype == torch.float32 and input_dtype in (torch.bfloat16, torch.float16)))
-    return (pool_ok and op in ("deferred", "commit") and saved_u is not None
+    rounding, not bit for bit. KDA only from a head per SM: its per-channel decays make the
+    per-head work larger, so that small batches (B = 1) lost to the token kernel."""
+    pool_ok = state_pool.dtype == torch.bfloat16 or (
+        state_pool.dtype == torch.float32 and input_dtype in (torch.bfloat16, torch.float16))
+    family_ok = recipe.mode == "gdn" or (recipe.mode == "kda" and heads >= sm_count(state_pool.device))
+    return (pool_ok and family_ok and op in ("deferred", "commit") and saved_u is not None
             and T <= (ROWS if op == "commit" else KEY_ROWS) and TP <= ROWS and K in (64, 128)
             and V % TILE_V == 0)
 
 
-def launch_shape(op: str, TP: int, N: int, HV: int, V: int, num_sms: int) -> tuple[int, int, int]:
-    """(V tile, warps, tiles a program walks). H200, T = 4, GDN 16 / 32 heads, K = V = 128, per
-    layer of a 16-layer graph, us, verify / verify with a pending commit / verify + commit:
-    - 32 columns on 2 warps, a head's 4 tiles a program: bfloat16 pool, B = 64, 27.9 / 60.0 / 70.6
-      against 46.8 / 93.6 / 89.4 with a tile a program and 31.5 / 73.3 / 80.0 with 2 tiles; float32
-      pool, B = 256, 158.2 / 379.7 / 446.0 against 280.7 / 474.7 / 572.0 with a tile a program.
-      64 columns on 2 or 4 warps in 2 tiles were slower (float32 verify, B = 64: 59.0, 53.9
-      against 47.2), so were 2 or 4 stages of loads in flight instead of 3 (50.9, 48.9);
-    - 16 columns on 1 warp in 8 tiles: the verify with a pending commit faster from B = 64 on
-      (bfloat16 56.8 / 200.8 against 60.0 / 221.8 at B = 64 / 256, float32 101.2 / 345.5 against
-      105.3 / 379.7), the others not (bfloat16 B = 64: 31.7 / - / 72.7), and everything slower at
-      B = 8 (bfloat16 8.9 / 14.7 / 17.7 against 7.2 / 12.4 / 15.4);
+def launch_shape(op: str, TP: int, N: int, HV: int, V: int, num_sms: int, per_channel: bool
+                 ) -> tuple[int, int, int, int]:
+    """(V tile, warps, tiles a program walks, tiles whose loads are in flight). H200, T = 4, K = V =
+    128, per layer of a 16-layer graph, us, B = 64 unless said:
+    - 32 columns on 2 warps, a head's 4 tiles a program, 3 in flight: GDN 16 / 32 heads, bfloat16
+      pool, verify / verify with a pending commit / verify + commit 27.9 / 60.0 / 70.6 against
+      46.8 / 93.6 / 89.4 with a tile a program and 31.5 / 73.3 / 80.0 with 2 tiles; float32 pool,
+      B = 256, 158.2 / 379.7 / 446.0 against 280.7 / 474.7 / 572.0 with a tile a program. 64
+      columns on 2 or 4 warps in 2 tiles were slower (float32 verify: 59.0, 53.9 against 47.2), so
+      were 2 or 4 in flight instead of 3 (50.9, 48.9);
+    - the verify with a pending commit from 8 heads per SM on: 16 columns on 1 warp in 8 tiles
+      (GDN bfloat16 56.8 / 200.8 against 60.0 / 221.8 at B = 64 / 256, float32 101.2 / 345.5 against
+      105.3 / 379.7; KDA 32 heads bfloat16 64.7 against 71.0), everything else slower there at B = 8;
+    - the commit: 16 columns on 2 warps in 8 tiles (verify + commit, KDA bfloat16 83.5 -> 78.2 at
+      B = 64, 282.8 -> 264.8 at B = 256; GDN bfloat16 71.0 -> 69.5 and 237.4 -> 235.2; GDN float32
+      126.8 -> 127.0);
+    - KDA's verify: 32 columns on 1 warp (bfloat16 34.0 -> 32.0, B = 256 109.2 -> 99.9), which
+      GDN's did not gain from (27.7 -> 28.2); 2 in flight below 32 heads per SM (B = 64: 32.0 ->
+      30.7 and verify + commit 76.2 -> 74.6; B = 256: 255.2 -> 261.5 with 2; float32 pool 132.8 ->
+      132.0 and 481.8 -> 476.5);
     - below one head per SM a tile a program: B = 1 (32 heads), bfloat16, 4.4 / 5.8 / 7.8 against
       5.7 / 9.8 / 11.8 with 4 tiles."""
-    if op == "deferred" and TP > 0 and N * HV >= 8 * num_sms:
-        return 16, 1, V // 16
-    return TILE_V, 2, tiles_walked(N, HV, V, TILE_V, num_sms)
+    if N * HV < num_sms:
+        return TILE_V, 2, 1, TILE_STAGES
+    if op == "commit":
+        return 16, 2, V // 16, TILE_STAGES
+    if TP > 0 and N * HV >= 8 * num_sms:
+        return 16, 1, V // 16, TILE_STAGES
+    if TP == 0 and per_channel and N * HV >= 8 * num_sms:
+        return TILE_V, 1, V // TILE_V, 2 if N * HV < 32 * num_sms else TILE_STAGES
+    return TILE_V, 2, V // TILE_V, TILE_STAGES
 
 
 def tiles_walked(N: int, HV: int, V: int, BV: int, num_sms: int) -> int:
@@ -148,9 +160,19 @@ def times_state(block_hi, block_lo, S):
 
 
 @triton.jit
+def _rows_repeated(x):
+    """[16, K] from x [R, K] (R a power of two up to 16): row r is x's row r mod R. KDA forms its
+    per-channel gates and their exponentials on the R = T (rounded up) rows of distinct tokens and
+    spreads them over the 16-row block here (formed on all 16 rows: a verify with a pending commit
+    90.3 us against 74.8, H200, B = 64, T = 4)."""
+    R: tl.constexpr = x.shape[0]
+    return tl.reshape(tl.broadcast_to(x[None, :, :], (ROWS // R, R, x.shape[1])), (ROWS, x.shape[1]))
+
+
+@triton.jit
 def _token_cumsum(log_decay, is_key):
-    """G of each row's token for rows [keys; queries] ([16] or [16, K]): the running sum over the
-    key rows, restarted at the first query row (query row 8 + t has key row t's G)."""
+    """G of each row's token for rows [keys; queries] ([16]): the running sum over the key rows,
+    restarted at the first query row (query row 8 + t has key row t's G)."""
     return tl.cumsum(log_decay, 0) - tl.where(is_key, 0.0, tl.sum(tl.where(is_key, log_decay, 0.0), 0))
 
 
@@ -172,6 +194,7 @@ def _wy_kernel(
     BV: tl.constexpr, LOG2_T: tl.constexpr, FUSED_GATE: tl.constexpr, SAFE_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
     PER_CHANNEL: tl.constexpr, FAST_LOG: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    GATE_ROWS: tl.constexpr, PENDING_GATE_ROWS: tl.constexpr,
 ):
     """One (sequence, value head, group of TILES V tiles of BV columns): with TP > 0 the commit of
     the first num_accepted[n] of TP pending tokens (k, g, u: ``pending_*``) into the pool, then with
@@ -205,13 +228,17 @@ def _wy_kernel(
                        mask=committed[:, None], other=0.0).to(tl.float32)
         if QK_L2NORM:
             keys = keys * tl.rsqrt(tl.sum(keys * keys, 1) + L2NORM_EPS)[:, None]
-        pending_offsets = i_n64 * stride_pg_n + rows * stride_pg_t + i_hv * stride_pg_h
-        if PER_CHANNEL:  # [16, K]: the state decays along its K columns
-            log_decay_c = _token_log_decay(pending_g, pending_offsets[:, None], ks[None, :], committed[:, None], A,
-                                           bias, lower_bound, True, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, FAST_LOG)
+        if PER_CHANNEL:  # [PENDING_GATE_ROWS, K]: the state decays along its K columns
+            gate_rows = tl.arange(0, PENDING_GATE_ROWS)
+            gate_committed = (gate_rows < accepted) & (gate_rows < TP)
+            pending_offsets = i_n64 * stride_pg_n + gate_rows * stride_pg_t + i_hv * stride_pg_h
+            log_decay_c = _token_log_decay(pending_g, pending_offsets[:, None], ks[None, :], gate_committed[:, None],
+                                           A, bias, lower_bound, True, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, FAST_LOG)
             G_end = tl.sum(log_decay_c, 0)[None, :]
-            keys_after = keys * tl.exp(G_end - tl.cumsum(log_decay_c, 0))  # decayed to the last token
+            # decayed to the last token; rows from TP on repeat earlier tokens' decays on zero keys
+            keys_after = keys * _rows_repeated(tl.exp(G_end - tl.cumsum(log_decay_c, 0)))
         else:
+            pending_offsets = i_n64 * stride_pg_n + rows * stride_pg_t + i_hv * stride_pg_h
             log_decay_c = _token_log_decay(pending_g, pending_offsets, 0, committed, A, bias, lower_bound, False,
                                            FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, False)
             G_end = tl.sum(log_decay_c, 0)
@@ -232,19 +259,21 @@ def _wy_kernel(
             factor = factor * tl.rsqrt(tl.sum(KQ * KQ, 1) + L2NORM_EPS)
         KQ = KQ * factor[:, None]
         earlier = is_key[None, :] & (token[None, :] <= token[:, None])  # (row, key column s <= its token)
-        gate_offsets = i_n64 * stride_g_n + token * stride_g_t + i_hv * stride_g_h
-        if PER_CHANNEL:
-            log_decay = _token_log_decay(g, gate_offsets[:, None], ks[None, :], active[:, None], A, bias,
+        if PER_CHANNEL:  # on the GATE_ROWS tokens' rows, then spread: key row t and query row 8 + t
+            gate_tokens = tl.arange(0, GATE_ROWS)
+            gate_active = (gate_tokens < T) & live
+            gate_offsets = i_n64 * stride_g_n + gate_tokens * stride_g_t + i_hv * stride_g_h
+            log_decay = _token_log_decay(g, gate_offsets[:, None], ks[None, :], gate_active[:, None], A, bias,
                                          lower_bound, True, FUSED_GATE, SAFE_GATE, HAS_DT_BIAS, FAST_LOG)
-            G = _token_cumsum(log_decay, is_key[:, None])
             # the pairs' decays as a product of two factors around the token REF, each within
             # exp(+-4 * LOG_DECAY_FLOOR) once a token's log decay is floored (module docstring)
-            G_floor = _token_cumsum(tl.maximum(log_decay, LOG_DECAY_FLOOR), is_key[:, None])
-            G_ref = tl.sum(tl.where(rows[:, None] == (T - 1) // 2, G_floor, 0.0), 0)[None, :]
-            gram = tl.dot(KQ * tl.exp(G_floor - G_ref), tl.trans(KQ * tl.exp(G_ref - G_floor)),
-                          input_precision="tf32")
+            G_floor = tl.cumsum(tl.maximum(log_decay, LOG_DECAY_FLOOR), 0)
+            G_ref = tl.sum(tl.where(gate_tokens[:, None] == (T - 1) // 2, G_floor, 0.0), 0)[None, :]
+            gram = tl.dot(KQ * _rows_repeated(tl.exp(G_floor - G_ref)),
+                          tl.trans(KQ * _rows_repeated(tl.exp(G_ref - G_floor))), input_precision="tf32")
             decayed_gram = tl.where(earlier, gram, 0.0)  # above the diagonal: may be inf
         else:
+            gate_offsets = i_n64 * stride_g_n + token * stride_g_t + i_hv * stride_g_h
             log_decay = _token_log_decay(g, gate_offsets, 0, active, A, bias, lower_bound, False, FUSED_GATE,
                                          SAFE_GATE, HAS_DT_BIAS, False)
             G = _token_cumsum(log_decay, is_key)
@@ -264,12 +293,14 @@ def _wy_kernel(
         P = tl.where(is_key[:, None], 0.0, decayed_gram)
         M = tl.where(is_key[:, None], X, tl.dot(P, X, input_precision="tf32"))
         if PER_CHANNEL:  # the decays go into the block, channel by channel
-            KQ_hi, KQ_lo = bf16_parts(KQ * tl.exp(G))
+            KQ_hi, KQ_lo = bf16_parts(KQ * _rows_repeated(tl.exp(tl.cumsum(log_decay, 0))))
             decay_in = 1.0
         else:
             KQ_hi, KQ_lo = bf16_parts(KQ)  # once for all tiles (``_dot``'s splits would form them per tile)
             decay_in = tl.exp(G)[:, None]
 
+    if TP > 0 and PER_CHANNEL:
+        keys_hi, keys_lo = bf16_parts(keys_after)
     for j in tl.range(TILES, num_stages=STAGES):
         vs = (i_grp * TILES + j) * BV + tl.arange(0, BV)
         state = head_state + vs[:, None] * K + ks[None, :]
@@ -277,8 +308,18 @@ def _wy_kernel(
         if TP > 0:
             u = tl.load(pending_u + i_n64 * stride_pu_n + rows[:, None] * stride_pu_t + i_hv * stride_pu_h
                         + vs[None, :], mask=committed[:, None], other=0.0)
-            update = _dot(tl.trans(u), keys_after, "bf16x3")
-            S = (S.to(tl.float32) * tl.exp(G_end) + update).to(pool.dtype.element_ty)
+            if PER_CHANNEL:
+                # S first the accumulator of a product (of zeros): the compiler then stages the tile
+                # in swizzled shared memory for the tensor cores' layout; with the per-channel decay
+                # first it chose an unswizzled one (8-way bank conflicts: KDA's commit took 61 us
+                # against GDN's 43 at B = 64). The update's products accumulate into the decayed
+                # state (2.6 us faster than adding them after; GDN's form was 1-5 us faster for GDN)
+                S = tl.dot(tl.zeros([BV, ROWS], tl.bfloat16), tl.zeros([ROWS, K], tl.bfloat16), S.to(tl.float32))
+                u_hi, u_lo = bf16_parts(tl.trans(u))
+                S = tl.dot(u_lo, keys_hi, tl.dot(u_hi, keys_lo, tl.dot(u_hi, keys_hi, S * tl.exp(G_end))))
+            else:
+                S = S.to(tl.float32) * tl.exp(G_end) + _dot(tl.trans(u), keys_after, "bf16x3")
+            S = S.to(pool.dtype.element_ty)
             tl.store(state, S, mask=accepted > 0)
         if T > 0:
             values = tl.load(v + i_n64 * stride_v_n + token[:, None] * stride_v_t + i_hv * stride_v_h + vs[None, :],
@@ -302,7 +343,7 @@ def wy_recurrent(recipe, q, k, v, g, beta, *, op: str, state_pool, state_indices
     T_verify = T
     if op == "commit":  # the commit of a pending verify, with no verify after it
         pending_k, pending_g, pending_u, TP, T_verify = k, g, saved_u, T, 0
-    BV, num_warps, tiles = launch_shape(op, TP, N, HV, V, sm_count(state_pool.device))
+    BV, num_warps, tiles, stages = launch_shape(op, TP, N, HV, V, sm_count(state_pool.device), recipe.mode == "kda")
     A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, state_pool.device)
     _wy_kernel[(N * HV * (V // (BV * tiles)),)](
         q, k, v, g, beta, out, A_log, dt_bias, saved_u, pending_k, pending_g, pending_u,
@@ -312,5 +353,6 @@ def wy_recurrent(recipe, q, k, v, g, beta, *, op: str, state_pool, state_indices
         state_indices.stride(0), T=T_verify, TP=TP, H=H, HV=HV, K=K, V=V, BV=BV,
         LOG2_T=max(1, (T_verify - 1).bit_length()), QK_L2NORM=recipe.qk_l2norm, BETA_LOGITS=recipe.beta_logits,
         PER_CHANNEL=recipe.mode == "kda", FAST_LOG=fast_log(recipe.mode == "kda", op, k.dtype), TILES=tiles,
-        STAGES=TILE_STAGES, num_warps=num_warps, **gate_flags,
+        STAGES=stages, GATE_ROWS=triton.next_power_of_2(max(T_verify, 1)),
+        PENDING_GATE_ROWS=triton.next_power_of_2(max(TP, 1)), num_warps=num_warps, **gate_flags,
     )
