@@ -6,7 +6,13 @@ A fresh process without ``TRITON_INTERPRET`` runs the Level-1 API on CPU tensors
 launches recorded instead of run (prefill of GDN, KDA and Lightning with bf16 and float32
 inputs, checkpoints and segments; KDA's operands for the cute backend's state pass; decode;
 verify in the three protocols, with a pending commit, and commit), then compiles each distinct
-launch (79: about 85 s on one core) for sm_90 with its arguments' types, constexprs and options."""
+launch (79: about 85 s on one core) for sm_90 with its arguments' types, constexprs, options and
+the JIT's divisibility hints (pointers 16-byte aligned, integers that are multiples of 16).
+
+The tensor-core verifies (``verify_wy_triton``, ``verify_chunk_triton``) are held to one more
+thing there: no state tile staged in unswizzled shared memory and read into the tensor cores'
+layout (8-way bank conflicts: KDA's commit took about 61 us so against 50 once its tile was a
+product's accumulator first, H200, B = 64)."""
 import os
 import subprocess
 import sys
@@ -35,7 +41,7 @@ launches = {}
 def record(fn, *args, grid, warmup, **kwargs):
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
         value = values[param.name] if param.name in values else param.default
         if param.is_constexpr or value is None:
@@ -43,15 +49,19 @@ def record(fn, *args, grid, warmup, **kwargs):
             constexprs[(i,)] = value
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[param.name] = "i1"
         elif isinstance(value, int):
             signature[param.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[param.name] = "fp32"
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
     key = (fn.fn.__name__, repr(signature), repr(sorted(constexprs.items())), repr(sorted(options.items())))
-    launches.setdefault(key, (fn, signature, constexprs, options))
+    launches.setdefault(key, (fn, signature, constexprs, options, attrs))
 
 
 JITFunction.run = record
@@ -102,11 +112,23 @@ recipe, g, beta = _recipe("kda", (sum(lens),), 8, 128, device=kw["q"].device, g=
 kda_chunk_operands(recipe, kw["q"], kw["k"], g, beta, cu_seqlens=cu_seqlens, state_indices=slots)
 
 target = GPUTarget("cuda", 90, 32)
-for fn, signature, constexprs, options in launches.values():
+for fn, signature, constexprs, options, attrs in launches.values():
     try:
-        triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=target, options=options)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=target,
+                                  options=options)
     except Exception as err:
         raise SystemExit(f"{fn.fn.__name__} {signature} {constexprs} {options}: {err}")
+    if fn.fn.__name__ in ("_wy_kernel", "_lightning_chunk_kernel"):
+        lines = compiled.asm["ttgir"].splitlines()
+        unswizzled = [line.split(" = ")[0] for line in lines
+                      if line.startswith("#shared") and "<{vec = 1, perPhase = 1, maxPhase = 1," in line]
+        for encoding in unswizzled:
+            conflicted = [line.strip() for line in lines
+                          if "ttg.local_load" in line and f"{encoding}," in line and "#mma>" in line]
+            if conflicted:
+                names = {fn.params[i].name: value for (i,), value in constexprs.items() if value is not None}
+                raise SystemExit(f"{fn.fn.__name__} {names} {signature.get('pool')} {options}: unswizzled "
+                                 f"tile read into the tensor cores' layout: {conflicted[0][:300]}")
 print(len(launches), "launches compiled")
 print("ok")
 """

@@ -52,8 +52,8 @@ functions, one process), us, B = 64 / 256. bfloat16 pool, the token kernel -> th
 form (a program per V tile of 64 or 128 columns) -> this: verify with a pending commit 94.1 / 351.5
 -> 70.8 / 261.9 -> 56.8 / 200.8, deferred verify + commit 105.2 / 388.2 -> 77.0 / 268.8 -> 70.6 /
 237.9, against a decode step of 38.5 / 143.1 (1.47x and 1.83x at B = 64). float32 pool, the token
-kernel -> this: 120.7 / 425.1 -> 101.2 / 345.5 and 152.1 / 557.0 -> 127.0 / 446.0, against 69.6 /
-267.8 (1.45x and 1.82x). KDA 32 heads, bfloat16 pool, token kernel -> this: 107.3 / 408.1 ->
+kernel -> this: 120.7 / 425.1 -> 93.0 / 324.5 and 152.1 / 557.0 -> 126.5 / 446.1, against 69.6 /
+268.1 (1.34x and 1.82x). KDA 32 heads, bfloat16 pool, token kernel -> this: 107.3 / 408.1 ->
 64.8 / 234.1 and 113.7 / 408.5 -> 74.7 / 261.9, against 37.9 / 143.1 (1.71x and 1.97x at B = 64);
 float32 pool with bfloat16 inputs: 132.0 / 485.0 -> 105.2 / 359.9 and 159.3 / 560.0 -> 131.9 /
 473.2, against 69.8 / 268.7 (1.51x and 1.89x). KDA at B = 1 lost (8.5 -> 10.5 us with a bfloat16
@@ -308,17 +308,18 @@ def _wy_kernel(
         if TP > 0:
             u = tl.load(pending_u + i_n64 * stride_pu_n + rows[:, None] * stride_pu_t + i_hv * stride_pu_h
                         + vs[None, :], mask=committed[:, None], other=0.0)
-            if PER_CHANNEL:
-                # S first the accumulator of a product (of zeros): the compiler then stages the tile
-                # in swizzled shared memory for the tensor cores' layout; with the per-channel decay
-                # first it chose an unswizzled one (8-way bank conflicts: KDA's commit took 61 us
-                # against GDN's 43 at B = 64). The update's products accumulate into the decayed
-                # state (2.6 us faster than adding them after; GDN's form was 1-5 us faster for GDN)
-                S = tl.dot(tl.zeros([BV, ROWS], tl.bfloat16), tl.zeros([ROWS, K], tl.bfloat16), S.to(tl.float32))
+            S = S.to(tl.float32)
+            if PER_CHANNEL or pool.dtype.element_ty == tl.float32:
+                # S first the accumulator of a product of zeros (exact): the compiler then stages
+                # the tile in swizzled shared memory for the tensor cores' layout; with KDA's
+                # per-channel decay first, or a float32 tile, it chose an unswizzled one (8-way
+                # bank conflicts: KDA's commit took 61 us against GDN's 43 at B = 64)
+                S = tl.dot(tl.zeros([BV, ROWS], tl.bfloat16), tl.zeros([ROWS, K], tl.bfloat16), S)
+            if PER_CHANNEL:  # the update's products accumulate into the decayed state: 2.6 us faster
                 u_hi, u_lo = bf16_parts(tl.trans(u))
                 S = tl.dot(u_lo, keys_hi, tl.dot(u_hi, keys_lo, tl.dot(u_hi, keys_hi, S * tl.exp(G_end))))
-            else:
-                S = S.to(tl.float32) * tl.exp(G_end) + _dot(tl.trans(u), keys_after, "bf16x3")
+            else:  # added after: 1-5 us faster for GDN
+                S = S * tl.exp(G_end) + _dot(tl.trans(u), keys_after, "bf16x3")
             S = S.to(pool.dtype.element_ty)
             tl.store(state, S, mask=accepted > 0)
         if T > 0:
