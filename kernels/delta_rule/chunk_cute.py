@@ -602,6 +602,7 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
                     tUrZ[i] = Float16(cutlass.select_(s < L, (v - accX[i]) * sB[s], Float32(0.0)))
                 else:
                     tUrZ[i] = Float16((v - accX[i] * z[s]) * sB[s])
+            pin(tUrZ)  # else ptxas waited on each of U's wgmmas: the conversions had sunk between them
             # V^T was read through the generic proxy and the stage is refilled by TMA (the async
             # proxy): without this fence the segmented build's last ldmatrix.trans of V^T sat right
             # before the release's arrive, still in flight, and the refill raced it (one chunk's U
@@ -763,10 +764,10 @@ def _gdn_kernel(
             else:
                 _prepare(storage, sQ, sK, loads, ready, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
                          warp, tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
-    elif wg == 3:
+    elif wg > 2:  # not ``wg == 3``, and the aux's tid from wg: ptxas then spilled 68 bytes, not 180
         _set_registers(AUX_REGS)
         if live:
-            _aux(storage, sQ, sK, loads, ready, products, tidx - 384, num_chunks, products_layout)
+            _aux(storage, sQ, sK, loads, ready, products, tidx - 128 * wg, num_chunks, products_layout)
     else:
         _set_registers(STATE_REGS)
         _state_math(storage, (sQ, sK, sK, sP, sT), sV, loads, v_loads, products, wg - 1, tidx - 128 * wg, out, tma_o,
