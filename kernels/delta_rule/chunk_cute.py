@@ -63,6 +63,13 @@ scaling of P and A 39% of its samples, the solve 36% (its mma.sync often waiting
 pipe the state's wgmma hold), T' 10%, its products, P's stores and spill reloads the rest. Both
 lose time to instruction-cache misses (no_inst stalls: the roles' unrolled code) and to spill
 reloads (long-scoreboard stalls at LDL).
+Since the aux is told apart by ``wg > 2`` (ptxas spills 64 bytes a thread instead of 180) and
+U's operand is pinned: 4 x 8192 0.598, 8 x 1024 0.688, 1 x 2048 2.095, segmented 1 x 32768 1.354
+and TP4 2.026 (2026-11-28). ncu then (4 x 8192): the state warpgroups wait 16% of their samples
+for the aux's products and 19% for their own wgmmas; the aux's samples are its scalings (45%) and
+the solve (30%). A chunk takes about 4.9 us at 4 x 8192, 4.3 us at 1 x 2048, where splitting the
+value columns over two CTAs (one state warpgroup, two aux ones) did not shorten it: the chain's
+latency bounds small batches, the aux large ones.
 The first warp-specialised version had the aux form -W = -T'' K as well (T'' = T diag(beta
 exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192.
 Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
