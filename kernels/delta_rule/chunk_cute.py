@@ -771,7 +771,7 @@ def _gdn_kernel(
             else:
                 _prepare(storage, sQ, sK, loads, ready, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
                          warp, tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
-    elif wg > 2:  # not ``wg == 3``, and the aux's tid from wg: ptxas then spilled 68 bytes, not 180
+    elif wg > 2:  # not ``wg == 3``, and the aux's tid from wg: ptxas then spills 64 bytes, not 180
         _set_registers(AUX_REGS)
         if live:
             _aux(storage, sQ, sK, loads, ready, products, tidx - 128 * wg, num_chunks, products_layout)
