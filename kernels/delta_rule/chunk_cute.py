@@ -67,9 +67,13 @@ Since the aux is told apart by ``wg > 2`` (ptxas spills 64 bytes a thread instea
 U's operand is pinned: 4 x 8192 0.598, 8 x 1024 0.688, 1 x 2048 2.095, segmented 1 x 32768 1.354
 and TP4 2.026 (2026-11-28). ncu then (4 x 8192): the state warpgroups wait 16% of their samples
 for the aux's products and 19% for their own wgmmas; the aux's samples are its scalings (45%) and
-the solve (30%). A chunk takes about 4.9 us at 4 x 8192, 4.3 us at 1 x 2048, where splitting the
-value columns over two CTAs (one state warpgroup, two aux ones) did not shorten it: the chain's
-latency bounds small batches, the aux large ones.
+the solve (30%), and instruction-cache misses a fifth of both roles' stalls. A chunk took about
+4.9 us at 4 x 8192, 4.3 us at 1 x 2048, where splitting the value columns over two CTAs (one
+state warpgroup, two aux ones) did not shorten it. Then the load warpgroup's norm warps ran their
+row passes as a loop instead of 1,600 unrolled instructions (``cute_prefill.row_inv_norms``):
+4 x 8192 0.609 -> 0.513, 8 x 1024 0.703 -> 0.610, 1 x 2048 2.104 -> 2.028 (same process, graph
+replay): the kernel's code (about 72 KB of SASS before, 54 after) is shared by four roles on each SM
+sub-partition's instruction cache.
 The first warp-specialised version had the aux form -W = -T'' K as well (T'' = T diag(beta
 exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192.
 Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
