@@ -376,7 +376,7 @@ def _combine(vectors: tuple, scale: Float32, log2_scale: Float32, r: Int32):
 
 
 @cute.jit
-def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Tensor, beta: cute.Tensor,
+def _prepare(storage, loads, ready, g: cute.Tensor, beta: cute.Tensor,
              A_log: cute.Tensor, dt_bias: cute.Tensor, scale: Float32, hv: Int32, bos: Int32, length: Int32,
              num_chunks: Int32, warp: Int32, lane: Int32, QK_L2NORM: cutlass.Constexpr[bool],
              GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool]):
@@ -394,6 +394,8 @@ def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Te
     gate_warp = warp == 1
     # only the gate warp loads (the others' empty rows load nothing)
     raw = _load_gates(g, beta, bos, cutlass.select_(gate_warp, length, 0), hv, lane)
+    both = kmajor(C, HEAD_DIM, 2 * QK_STAGES)  # sQ's stages, then sK's
+    sQK = storage.sQ.get_tensor(both.outer, swizzle=both.inner)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
     for j in cutlass.range(num_chunks, unroll=1):
         loads.consumer_wait(state)
@@ -402,10 +404,12 @@ def _prepare(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, g: cute.Te
         if gate_warp:
             _chunk_gates(raw, sG, sB, sDecay, sTail, cutlass.min(length - j * C, C), A, bias, lane, GATE,
                          BETA_LOGITS)
-        elif warp == 2:
-            row_inv_norms(sK[None, None, state.index], rk, lane, QK_L2NORM, 32)
         else:
-            row_inv_norms(sQ[None, None, state.index], rq, lane, QK_L2NORM, 32)
+            # one call site for both norm warps (k's: warp 2), so that the instruction cache holds
+            # one copy of its code: sK's stages follow sQ's, and rk follows rq
+            k_warp = Int32(warp == 2)
+            dst = cute.make_tensor(rq.iterator + k_warp * C, rq.layout)
+            row_inv_norms(sQK[None, None, state.index + k_warp * QK_STAGES], dst, lane, QK_L2NORM, 32)
         raw = _load_gates(g, beta, bos + (j + 1) * C, cutlass.select_(gate_warp, length - (j + 1) * C, 0), hv,
                           lane)
         cute.arch.barrier(barrier_id=PREPARE, number_of_threads=96)
@@ -741,6 +745,7 @@ def _gdn_kernel(
     @cute.struct
     class Shared:
         barriers: cute.struct.MemRange[Int64, 2 * (2 * QK_STAGES + V_STAGES + PRODUCT_STAGES)]
+        # sK's stages right after sQ's (a multiple of 1024 bytes): ``_prepare`` reads them as one tensor
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
         sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(v_layout)], 1024]
@@ -773,7 +778,7 @@ def _gdn_kernel(
                 produce(((tma_q, q_tiles, h, sQ, HEAD_DIM), (tma_k, k_tiles, h, sK, HEAD_DIM)), (tma_v, v_tiles, sV),
                         loads, bos, num_chunks, hv, v_loads)
             else:
-                _prepare(storage, sQ, sK, loads, ready, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
+                _prepare(storage, loads, ready, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
                          warp, tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
     elif wg > 2:  # not ``wg == 3``, and the aux's tid from wg: ptxas then spills 64 bytes, not 180
         _set_registers(AUX_REGS)
