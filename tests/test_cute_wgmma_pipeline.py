@@ -54,8 +54,8 @@ def _wgmma_events(tmp_path, source, *argv) -> str:
 def test_gdn_prefill_wgmma_is_not_serialised(tmp_path, segmented):
     events = _wgmma_events(tmp_path, _COMPILE, "1" if segmented else "0")
     issues, waits = events.count("G"), events.count("W")
-    # 48 wgmma a chunk (the aux's 16, the state's 32), waited on once per product group
-    assert issues >= 48 and waits <= issues // 4, f"wgmma serialised: {events}"
+    # 44 wgmma a chunk (the aux's 16, the state's 28), waited on once per product group
+    assert issues >= 44 and waits <= issues // 4, f"wgmma serialised: {events}"
 
 
 @pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented"])
