@@ -35,14 +35,17 @@ products (A, P, the solve) overlap the previous chunk's state chain:
   in float32 wgmma accumulators for the whole sequence, S^T in bf16 registers as the products'
   A operand. Per chunk: S^T K^T and O^T = S^T Q^T, then U^T = ((V^T - Z) diag(beta)) T^T with
   the left factor from registers, then O^T += U^T P^T and the state update with U^T from
-  registers, the output through shared memory by TMA store.
+  registers, the output through shared memory by TMA store. The two take turns to issue each
+  group of wgmma (``_issue_turn``; not in segments).
 (V^T - Z) diag(beta) and T are fp16 operands (11 significant bits; their values must stay within
-fp16's 65504); the state update's U^T goes in as two bf16 parts (hi + lo: 16 bits of mantissa),
-as Lightning's does: the state carries its error across chunks. S^T (in S K^T and S Q^T) and P
-are bf16 operands, as S^T and P are in FLA's pipeline; the accumulations are float32. Relative
-error against the float64 oracle at the model shapes: 3.2e-3 (Triton's kernel 2.7e-3, FLA
-4.7e-3; the bf16 tolerance is 5e-3). With T' = T diag(beta) in bf16 against V^T - Z in two bf16
-parts it was 3.6e-3, with V^T - Z in one bf16 part 4.0e-3.
+fp16's 65504); the state update's U^T is one bf16 operand, as in FLA's and FlashInfer's updates.
+S^T (in S K^T and S Q^T) and P are bf16 operands, as S^T and P are in FLA's pipeline; the
+accumulations are float32. Relative error against the torch reference at the model shapes:
+3.2e-3 to 3.3e-3 (Triton's kernel 2.7e-3, FLA 4.7e-3; the bf16 tolerance is 5e-3). With T' =
+T diag(beta) in bf16 against V^T - Z in two bf16 parts it was 3.6e-3, with V^T - Z in one bf16
+part 4.0e-3. U^T in two bf16 parts (hi + lo: 16 bits of mantissa, as Lightning's update keeps)
+gave final states 1.7e-3 closer (relative, at 1024 to 32768 tokens a sequence) and outputs
+2e-4 to 4e-4, for a third product per chunk: 6-9% of the time.
 
 Registers: 24 / 104 / 192 per thread for loads / aux / state. With fewer than 192 the state's
 products do not fit ptxas's wgmma pipeline and it serialises every wgmma of the kernel (a wait
@@ -73,7 +76,11 @@ state warpgroup, two aux ones) did not shorten it. Then the load warpgroup's nor
 row passes as a loop instead of 1,600 unrolled instructions (``cute_prefill.row_inv_norms``):
 4 x 8192 0.609 -> 0.513, 8 x 1024 0.703 -> 0.610, 1 x 2048 2.104 -> 2.028 (same process, graph
 replay): the kernel's code (about 72 KB of SASS before, 54 after) is shared by four roles on each SM
-sub-partition's instruction cache.
+sub-partition's instruction cache. Both norm warps then ran one copy of that code (one call on a
+view of sQ's and sK's stages): 4 x 8192 0.513 -> 0.500. Then U^T in one bf16 part for the update
+instead of two, and the state warpgroups taking turns to issue: 4 x 8192 0.499 -> 0.457, 8 x 1024
+0.595 -> 0.553, 1 x 2048 1.987 -> 1.807, segmented 1 x 32768 1.240 -> 1.192, TP4 1.914 -> 1.853
+(same process); the bench a run later: 0.428, 0.568, 1.811, 1.221, 1.842 (BENCHMARKS.md).
 The first warp-specialised version had the aux form -W = -T'' K as well (T'' = T diag(beta
 exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192.
 Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
@@ -115,7 +122,9 @@ Triton's W / U~ kernel and state pass:
     Z = S^T Ke^T,  U^T = ((V^T - Z) diag(beta)) T^T,  O^T = S^T Qd^T + U^T P^T,
     S^T <- S^T diag(exp(G_C)) + U^T Kd
 with U^T in two fp16 parts against fp16 Kd (22 and 11 significant bits, as Triton's tf32 product
-keeps 11), Z and O from S^T's bf16 copy as GDN's. Warp 0 of the load warpgroup streams the five
+keeps 11), Z and O from S^T's bf16 copy as GDN's. (One fp16 part, 2026-11-28, same process, graph
+replay: 4 x 8192 2.327 -> 2.358 ns per token-head, a TP4 shard of 8 heads on 8192 tokens 4.08 ->
+4.03; two kept.) Warp 0 of the load warpgroup streams the five
 tiles (64 KB a chunk, KDA_STAGES of them) and v; warps 1 .. 3 write beta and exp(G_C) per chunk
 and zero Kd's rows past the sequence. A chunk's rows past its sequence are the next sequence's,
 or for a padding sequence never written (any bits, NaN included): U's and Z's columns there are
@@ -500,7 +509,7 @@ def _issue_turn(w: Int32, j: Int32, FIRST_GROUP: cutlass.Constexpr[bool] = False
     products finish while the other's still run, and its conversions overlap them; issued
     together, both finished late and then left the tensor cores idle together (H200, graph
     replay, ns per token-head: 4 x 8192 0.498 -> 0.487, 1 x 2048 1.997 -> 1.947; segmented
-    builds, 0.3-1.8% slower so, do not take turns)."""
+    builds, 0.3-1.9% slower so, do not take turns)."""
     if const_expr(FIRST_GROUP):
         if (w == 1) | (j > 0):
             cute.arch.barrier(barrier_id=ORDER + w, number_of_threads=256)
