@@ -174,6 +174,10 @@ QK_STAGES = 3  # q / k tiles in flight: a chunk's are read from the aux's turn t
 V_STAGES = 2
 PRODUCT_STAGES = 2  # P and T buffers: the aux writes the next chunk's while the state warpgroups read this one's
 VECTORS = 12  # per-row float32 vectors of a chunk (``_vectors``)
+# the stages above make 195 KB of shared memory; a third P / T or v stage (211 KB) takes the
+# carveout from 196 to 228 KB and leaves L1 28 KB instead of 60 (the spills' stack alone, 56 bytes
+# a thread, is 28 KB a CTA; not profiled): 4 x 8192 0.454 -> 0.506 ns per token-head, 1 x 2048
+# 1.80 -> 2.22 (H200, 2026-11-28)
 # registers per thread: 65536 over the four warpgroups, each starting with 65536 / GDN_THREADS
 # (aux 136 / state 176 and 152 / 168 measured within 2% of these, either way by shape)
 LOAD_REGS = 24
