@@ -507,28 +507,29 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
 
 
 @cute.jit
-def _issue_turn(w: Int32, j: Int32, FIRST_GROUP: cutlass.Constexpr[bool] = False):
+def _issue_turn(w: Int32, j: Int32, ORDERED: cutlass.Constexpr[bool], FIRST_GROUP: cutlass.Constexpr[bool] = False):
     """State warpgroup w waits until the other has issued its last group of wgmma (warpgroup 0
     goes first: no wait before its first group of chunk 0). Taking turns, one warpgroup's
     products finish while the other's still run, and its conversions overlap them; issued
     together, both finished late and then left the tensor cores idle together (H200, graph
     replay, ns per token-head: 4 x 8192 0.498 -> 0.487, 1 x 2048 1.997 -> 1.947). The segmented
-    builds do not take turns: they measured 0.3-1.9% slower with them."""
-    if const_expr(FIRST_GROUP):
+    builds do not take turns (ORDERED false): they measured 0.3-1.9% slower with them."""
+    if const_expr(ORDERED and FIRST_GROUP):
         if (w == 1) | (j > 0):
             cute.arch.barrier(barrier_id=ORDER + w, number_of_threads=256)
-    else:
+    elif const_expr(ORDERED):
         cute.arch.barrier(barrier_id=ORDER + w, number_of_threads=256)
 
 
 @cute.jit
-def _pass_turn(w: Int32, j: Int32, num_chunks: Int32, LAST_GROUP: cutlass.Constexpr[bool] = False):
+def _pass_turn(w: Int32, j: Int32, num_chunks: Int32, ORDERED: cutlass.Constexpr[bool],
+               LAST_GROUP: cutlass.Constexpr[bool] = False):
     """After issuing: the other state warpgroup's turn (warpgroup 1 passes none after the last
     chunk's last group, so that every arrive has its wait)."""
-    if const_expr(LAST_GROUP):
+    if const_expr(ORDERED and LAST_GROUP):
         if (w == 0) | (j < num_chunks - 1):
             cute.arch.barrier_arrive(barrier_id=ORDER + 1 - w, number_of_threads=256)
-    else:
+    elif const_expr(ORDERED):
         cute.arch.barrier_arrive(barrier_id=ORDER + 1 - w, number_of_threads=256)
 
 
@@ -643,13 +644,11 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
             v_loads.consumer_wait(v_state)
 
             # Z = (S^T K^T) diag(exp(G) rk) and the output's S^T Q^T, the only products of S^T's bf16 copy
-            if const_expr(ORDERED):
-                _issue_turn(w, j, True)
+            _issue_turn(w, j, ORDERED, True)
             warpgroup.fence()
             gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
             gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
-            if const_expr(ORDERED):
-                _pass_turn(w, j, num_chunks)
+            _pass_turn(w, j, num_chunks, ORDERED)
             warpgroup.wait_group(0)
             # V^T only now: loaded under the products it would share the registers with S^T's copy
             cute.copy(v_copy, tVsV[None, None, None, 2 * v_state.index + w], v_copy.retile(tVrV))
@@ -671,12 +670,10 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
             # in one warpgroup perturbed in about a third of 1 x 32768 calls on an H200)
             cute.arch.fence_proxy("async.shared", space="cta")
             v_loads.consumer_release(v_state)
-            if const_expr(ORDERED):
-                _issue_turn(w, j)
+            _issue_turn(w, j, ORDERED)
             warpgroup.fence()
             gemm(mma_u, accU, tUrZ, tZrT[None, None, None, product_stage], False)
-            if const_expr(ORDERED):
-                _pass_turn(w, j, num_chunks)
+            _pass_turn(w, j, num_chunks, ORDERED)
             if const_expr(not PER_CHANNEL):
                 for i in cutlass.range_constexpr(cute.size(accO)):
                     t = cU[i][1]
@@ -706,15 +703,13 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
                 decay_L = sDecay[C - 1]
                 for i in cutlass.range_constexpr(cute.size(accS)):
                     accS[i] = accS[i] * decay_L
-            if const_expr(ORDERED):
-                _issue_turn(w, j)
+            _issue_turn(w, j, ORDERED)
             warpgroup.fence()
             gemm(mma_up, accO, tUrU, tOrP[None, None, None, product_stage], True)
             gemm(mma_st, accS, tSrU, tSrK[None, None, None, stage], True)
             if const_expr(PER_CHANNEL):
                 gemm(mma_st, accS, tSrU_lo, tSrK[None, None, None, stage], True)
-            if const_expr(ORDERED):
-                _pass_turn(w, j, num_chunks, True)
+            _pass_turn(w, j, num_chunks, ORDERED, True)
             warpgroup.wait_group(0)
             if const_expr(not PER_CHANNEL):
                 products.consumer_release(chunk)
