@@ -81,6 +81,15 @@ view of sQ's and sK's stages): 4 x 8192 0.513 -> 0.500. Then U^T in one bf16 par
 instead of two, and the state warpgroups taking turns to issue: 4 x 8192 0.499 -> 0.457, 8 x 1024
 0.595 -> 0.553, 1 x 2048 1.987 -> 1.807, segmented 1 x 32768 1.240 -> 1.192, TP4 1.914 -> 1.853
 (same process); the bench a run later: 0.428, 0.568, 1.811, 1.221, 1.842 (BENCHMARKS.md).
+ncu's stall samples then (4 x 2048, SASS source counters): the state warpgroups waited a third
+of theirs for the aux's products, and the aux, never waiting, spent 37% of its samples scaling P
+(its exponents' loads stalled behind the products' shared-memory traffic) and 30% in the solve.
+So the state warpgroups now wait for the products after issuing S^T K^T and S^T Q^T, which need
+none of them, and the aux runs P's product alone, reading the exponents while it runs, then A's
+(``_aux``): 4 x 8192 0.461 -> 0.450 -> 0.412, 1 x 32768 1.245 -> 1.170 -> 1.100 (same process,
+bitwise the same outputs). The aux then waited a third of its samples for the preparation warps'
+``ready``; the segmented builds spread the row norms over three warps (``_prepare``). The bench:
+4 x 8192 0.414, 8 x 1024 0.522, 1 x 2048 1.776, 1 x 32768 0.982, TP4 1.681 (BENCHMARKS.md).
 The first warp-specialised version had the aux form -W = -T'' K as well (T'' = T diag(beta
 exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192.
 Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
@@ -193,6 +202,10 @@ AUX = 3  # the aux warpgroup
 PAIR = 4  # 4 and 5: the aux's warps 0 and 1, and 2 and 3, in the solve
 PREPARE = 6  # the load warpgroup's warps 1 .. 3
 ORDER = 7  # 7 and 8: the state warpgroups' turns to issue their wgmma (``_issue_turn``)
+# the preparation's passes of 16 rows over q's and k's rows (``_prepare`` with SPREAD_NORMS)
+NORM_PASSES = 2 * C // 16
+NORM_WARP_PASSES = 3  # warps 2 and 3
+GATE_WARP_PASSES = NORM_PASSES - 2 * NORM_WARP_PASSES  # warp 1, after the gates
 
 
 @cute.jit
@@ -393,11 +406,17 @@ def _combine(vectors: tuple, scale: Float32, log2_scale: Float32, r: Int32):
 def _prepare(storage, loads, ready, g: cute.Tensor, beta: cute.Tensor,
              A_log: cute.Tensor, dt_bias: cute.Tensor, scale: Float32, hv: Int32, bos: Int32, length: Int32,
              num_chunks: Int32, warp: Int32, lane: Int32, QK_L2NORM: cutlass.Constexpr[bool],
-             GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool]):
+             GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
+             SPREAD_NORMS: cutlass.Constexpr[bool]):
     """Warps 1 .. 3 of the load warpgroup: each chunk's vectors into the slot of its q / k stage
     (which holds nothing older once the chunk's tiles have landed). Warp 1 the gates (their raw
-    inputs loaded a chunk ahead), warp 2 k's row norms, warp 3 q's; then, a row a thread, the
-    factors the aux and the state take (``_combine``) and ``ready``."""
+    inputs loaded a chunk ahead), warp 2 k's row norms, warp 3 q's, or with SPREAD_NORMS the three
+    share the norms; then, a row a thread, the factors the aux and the state take (``_combine``)
+    and ``ready``. The aux waits for ``ready`` (ncu, 4 x 2048: a third of its stall samples once it
+    no longer spilled); the segmented builds spread the norms (H200, graph replay, ns per
+    token-head: 1 x 32768 1.106 -> 0.98, a TP4 shard 1.80 -> 1.68), the unsegmented ones do not: the
+    pass loop made them slower, spread or not (4 x 8192 0.412 -> 0.46, 1 x 2048 1.77 -> 1.86; not
+    understood)."""
     A = Float32(1.0)
     bias = Float32(0.0)
     if const_expr(GATE != GATE_NONE):
@@ -418,10 +437,19 @@ def _prepare(storage, loads, ready, g: cute.Tensor, beta: cute.Tensor,
         if gate_warp:
             _chunk_gates(raw, sG, sB, sDecay, sTail, cutlass.min(length - j * C, C), A, bias, lane, GATE,
                          BETA_LOGITS)
-        else:
-            # one call site for both norm warps (k's: warp 2), so that the instruction cache holds
-            # one copy of its code: sK's stages follow sQ's, and rk follows rq
-            k_warp = Int32(warp == 2)
+        # one call site for the row norms, so that the instruction cache holds one copy of their code:
+        # sK's stages follow sQ's, and rk follows rq
+        if const_expr(SPREAD_NORMS):
+            # passes of 16 rows, q's 0 .. 3 and k's 4 .. 7: 3, 3 and, after its gates, 2 for warp 1
+            first = cutlass.select_(gate_warp, NORM_PASSES - GATE_WARP_PASSES, (warp - 2) * NORM_WARP_PASSES)
+            count = cutlass.select_(gate_warp, GATE_WARP_PASSES, NORM_WARP_PASSES)
+            for p in cutlass.range(first, first + count, unroll=1):
+                k_rows = p // (NORM_PASSES // 2)
+                dst = cute.make_tensor(rq.iterator + k_rows * C, rq.layout)
+                row_inv_norms(sQK[None, None, state.index + k_rows * QK_STAGES], dst, lane, QK_L2NORM, 32,
+                              p % (NORM_PASSES // 2), 1)
+        elif not gate_warp:
+            k_warp = Int32(warp == 2)  # k's norms, q's on warp 3
             dst = cute.make_tensor(rq.iterator + k_warp * C, rq.layout)
             row_inv_norms(sQK[None, None, state.index + k_warp * QK_STAGES], dst, lane, QK_L2NORM, 32)
         raw = _load_gates(g, beta, bos + (j + 1) * C, cutlass.select_(gate_warp, length - (j + 1) * C, 0), hv,
@@ -476,25 +504,36 @@ def _aux(storage, sQ: cute.Tensor, sK: cute.Tensor, loads, ready, products, tid:
     for j in cutlass.range(num_chunks, unroll=1):
         loads.consumer_wait(state)
         stage = state.index
+        # P's product alone, then A's once P is stored. With both in flight (64 of the 104
+        # registers) the exponents' rows and columns were read only after the wait, each load right
+        # before its use, behind the products' shared-memory traffic (ncu: the scaling of P 37% of
+        # the aux's stall samples, the state warpgroups waiting for the aux a third of theirs), and
+        # the solve spilled. Now they are read while P's product runs (the compiler keeps one load
+        # per distinct row or column: 20 registers) and the solve does not spill: H200, graph
+        # replay, 4 x 8192 0.450 -> 0.412 ns per token-head, 1 x 32768 1.160 -> 1.100.
         warpgroup.fence()
         gemm(mma_ss, accP, tXrQ[None, None, None, stage], tXrKb[None, None, None, stage], False)
-        gemm(mma_ss, accA, tXrK[None, None, None, stage], tXrKb[None, None, None, stage], False)
         ready.consumer_wait(state)
         vectors = _vectors(storage, stage)
         column, p_row, a_row = vectors[6], vectors[7], vectors[8]
-        warpgroup.wait_group(1)  # P's product: its scaling and stores while A's runs
+        exponents = [(p_row[cX[i][0]], a_row[cX[i][0]], column[cX[i][1]]) for i in range(cute.size(accP))]
+        warpgroup.wait_group(0)
         for i in cutlass.range_constexpr(cute.size(accP)):
             t, s = cX[i]
-            f = cute.math.exp2(p_row[t] - column[s], fastmath=True)
-            p_staged[i] = BFloat16(cutlass.select_(s <= t, accP[i] * f, Float32(0.0)))
+            f = cute.math.exp2(exponents[i][0] - exponents[i][2], fastmath=True)
+            accP[i] = cutlass.select_(s <= t, accP[i] * f, Float32(0.0))
+        p_staged.store(accP.load().to(BFloat16))  # as a whole: two values a conversion
         products.producer_acquire(out)
         cute.copy(p_copy, p_copy.retile(p_staged), tPsP[None, None, None, out.index])
+        warpgroup.fence()
+        gemm(mma_ss, accA, tXrK[None, None, None, stage], tXrKb[None, None, None, stage], False)
         warpgroup.wait_group(0)
         loads.consumer_release(state)
         for i in cutlass.range_constexpr(cute.size(accA)):
             t, s = cX[i]
-            f = cute.math.exp2(a_row[t] - column[s], fastmath=True)
-            a_staged[i] = Float16(cutlass.select_(s < t, accA[i] * f, Float32(0.0)))
+            f = cute.math.exp2(exponents[i][1] - exponents[i][2], fastmath=True)
+            accA[i] = cutlass.select_(s < t, accA[i] * f, Float32(0.0))
+        a_staged.store(accA.load().to(Float16))
         cute.copy(a_copy, a_copy.retile(a_staged), tAsA)
         cute.arch.barrier(barrier_id=AUX, number_of_threads=128)  # A written
 
@@ -632,6 +671,15 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
             output_read(tid)
             loads.consumer_wait(state)
             stage = state.index
+
+            # Z = (S^T K^T) diag(exp(G) rk) and the output's S^T Q^T, the only products of S^T's bf16 copy
+            _issue_turn(w, j, ORDERED, True)
+            warpgroup.fence()
+            gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
+            gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
+            _pass_turn(w, j, num_chunks, ORDERED)
+            # the chunk's products (and vectors) only now, under S^T's: they need none of them, and
+            # the aux finishes its solve meanwhile
             product_stage = stage
             if const_expr(PER_CHANNEL):
                 products.consumer_wait(state)
@@ -642,13 +690,6 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
                 vectors = _vectors(storage, stage)
                 sB, sDecay, z, u, o = vectors[1], vectors[2], vectors[9], vectors[10], vectors[11]
             v_loads.consumer_wait(v_state)
-
-            # Z = (S^T K^T) diag(exp(G) rk) and the output's S^T Q^T, the only products of S^T's bf16 copy
-            _issue_turn(w, j, ORDERED, True)
-            warpgroup.fence()
-            gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
-            gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
-            _pass_turn(w, j, num_chunks, ORDERED)
             warpgroup.wait_group(0)
             # V^T only now: loaded under the products it would share the registers with S^T's copy
             cute.copy(v_copy, tVsV[None, None, None, 2 * v_state.index + w], v_copy.retile(tVrV))
@@ -834,7 +875,7 @@ def _gdn_kernel(
                         loads, bos, num_chunks, hv, v_loads)
             else:
                 _prepare(storage, loads, ready, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
-                         warp, tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS)
+                         warp, tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS, SEGMENTED)
     elif wg > 2:  # not ``wg == 3``, and the aux's tid from wg: ptxas then spills 64 bytes, not 180
         _set_registers(AUX_REGS)
         if live:
