@@ -91,16 +91,15 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
 
 @cute.jit
 def row_inv_norms(tile: cute.Tensor, dst: cute.Tensor, tid: Int32, QK_L2NORM: cutlass.Constexpr[bool],
-                  THREADS: cutlass.Constexpr[int] = 128, first: Int32 = 0, count: Int32 = -1):
+                  THREADS: cutlass.Constexpr[int] = 128, first: Int32 = 0, COUNT: cutlass.Constexpr[int] = 0):
     """dst[r] = 1 / sqrt(sum_c tile[r, c]^2 + eps) for the 64 rows of a [64, 128] bf16 tile by
-    THREADS threads (two a row, 16-byte loads), or 1: in passes of THREADS / 2 rows, ``count``
-    of them from pass ``first`` (-1: all). The passes are a loop, not unrolled: unrolled, GDN's
-    two norm warps carried 1,600 instructions (25 KB) of straight-line code, and the kernel's
-    roles missed the instruction cache (H200, 4 x 8192: 0.609 -> 0.513 ns per token-head with the
+    THREADS threads (two a row, 16-byte loads), or 1: in passes of THREADS / 2 rows, COUNT of
+    them from pass ``first`` (0: all). The passes are a loop, not unrolled: unrolled, GDN's two
+    norm warps carried 1,600 instructions (25 KB) of straight-line code, and the kernel's roles
+    missed the instruction cache (H200, 4 x 8192: 0.609 -> 0.513 ns per token-head with the
     loop)."""
-    if count < 0:
-        count = C // (THREADS // 2)
-    for p in cutlass.range(first, first + count, unroll=1):
+    passes = COUNT if const_expr(COUNT > 0) else C // (THREADS // 2)
+    for p in cutlass.range(first, first + passes, unroll=1):
         row = tid // 2 + p * (THREADS // 2)
         if const_expr(QK_L2NORM):
             total = Float32(0.0)
