@@ -6,7 +6,8 @@ per product, without local memory.
 ptxas serialises every wgmma of a kernel (a ``WARPGROUP.DEPBAR`` after each ``HGMMA``) when one
 warpgroup's registers cannot hold its wgmma pipeline ("C7512 ... serialized due to insufficient
 register resources"); GDN's state warpgroups at 184 registers did, with no change in results
-(BENCHMARKS, 2026-11-26: what unserialising them took). Only a compile shows it."""
+(BENCHMARKS, 2026-11-26: what unserialising them took). Only a compile shows it, as it shows
+GDN's spills (local memory loads), which its aux warpgroup's 104 registers are close to."""
 import glob
 import os
 import re
@@ -42,26 +43,30 @@ def _sass(tmp_path, source, *argv) -> str:
     return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
 
 
-def _wgmma_events(tmp_path, source, *argv) -> str:
-    """"G" for each HGMMA and "W" for each wait on the wgmma pipeline, in SASS order, of the
-    kernel ``source`` compiles."""
-    sass = _sass(tmp_path, source, *argv)
+def _wgmma_events(sass: str) -> str:
+    """"G" for each HGMMA and "W" for each wait on the wgmma pipeline, in SASS order."""
     return "".join("G" if "HGMMA" in line else "W"
                    for line in sass.splitlines() if re.search(r"HGMMA|WARPGROUP\.DEPBAR", line))
 
 
 @pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented"])
 def test_gdn_prefill_wgmma_is_not_serialised(tmp_path, segmented):
-    events = _wgmma_events(tmp_path, _COMPILE, "1" if segmented else "0")
+    """Also few spills: reloads in the aux's solve cost it 10-25% (BENCHMARKS, 2026-11-28 14:10:
+    13 -> 5 spill loads with P's product alone, 0.450 -> 0.412 ns per token-head; 49 with the
+    exponents read early beside both products, 0.572)."""
+    sass = _sass(tmp_path, _COMPILE, "1" if segmented else "0")
+    events = _wgmma_events(sass)
     issues, waits = events.count("G"), events.count("W")
     # 44 wgmma a chunk (the aux's 16, the state's 28), waited on once per product group
     assert issues >= 44 and waits <= issues // 4, f"wgmma serialised: {events}"
+    spill_loads = len(re.findall(r"\bLDL\b", sass))
+    assert spill_loads <= 8, f"{spill_loads} spill loads (5 plain and 6 segmented when written)"
 
 
 @pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented"])
 def test_kda_prefill_wgmma_is_not_serialised(tmp_path, segmented):
     """KDA's state pass (``chunk_cute._kda_kernel``): the state warpgroups' 32 wgmma a chunk."""
-    events = _wgmma_events(tmp_path, _COMPILE_KDA, "1" if segmented else "0")
+    events = _wgmma_events(_sass(tmp_path, _COMPILE_KDA, "1" if segmented else "0"))
     issues, waits = events.count("G"), events.count("W")
     assert issues >= 32 and waits <= issues // 4, f"wgmma serialised: {events}"
 
