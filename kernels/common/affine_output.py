@@ -23,12 +23,16 @@ from .segments import num_segment_ids, segment_span
 
 _BLOCK_TOKENS = 64
 _TILES_PER_PROGRAM = 8  # token tiles per program: S is loaded once for all of them
-# ``correct_segment_outputs``'s launch: BT-row tiles, TILES of them a program. H200, graph replay, L2
-# flushed: 32 value heads, one 16384-token segment 194 us (eight tiles 180; 64-row tf32x3 tiles
-# before: 421); 8 heads, seven 1024-token segments 30 us (eight tiles 43; before: 60): four keep
-# more programs on the SMs where segments are short. Its callers run on Hopper only (the CuTe DSL
-# GDN prefill): S's parts and three stages of bf16 q~ tiles take about 160 KB of shared memory.
-SEGMENT_OUTPUT_LAUNCH = dict(BT=128, TILES=4, num_warps=8, num_stages=3)
+# ``correct_segment_outputs``'s launch: BT-row tiles, TILES of them a program (S split once for
+# them all). Its callers run on Hopper only (the CuTe DSL GDN and KDA prefills). H200, graph replay,
+# L2 flushed, us for 32 value heads with one 16384-token segment / 8 heads with seven 1024-token
+# segments (a TP4 shard): 128-row tiles, four a program, 8 warps, 3 stages (S's parts and the q~
+# stages about 160 KB of shared memory: one program an SM) 195 / 30; 64-row tiles, 4 warps, 2 stages,
+# four a program 163 / 26.5, eight 142 / 36: eight where segments are long, four where they are
+# short, which keeps more programs on the SMs (2026-11-28; 64-row tf32x3 tiles at first: 421 / 60)
+SEGMENT_OUTPUT_LAUNCH = dict(BT=64, TILES=4, num_warps=4, num_stages=2)
+LONG_SEGMENT_TILES = 8
+LONG_SEGMENT_TOKENS = 8192
 # Other q~ dtypes (tf32x3 products): three stages of float32 q~ tiles asked for 320 KB of shared
 # memory (an H200 refused the launch), so 64-row tiles and one stage
 FLOAT_SEGMENT_OUTPUT_LAUNCH = dict(BT=64, TILES=4, num_warps=4, num_stages=1)
@@ -155,6 +159,8 @@ def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *,
     num_ids = num_segment_ids(T, N, tokens)
     split = carried.dtype == torch.bfloat16
     launch = SEGMENT_OUTPUT_LAUNCH if split else FLOAT_SEGMENT_OUTPUT_LAUNCH
+    if split and tokens >= LONG_SEGMENT_TOKENS:
+        launch = {**launch, "TILES": LONG_SEGMENT_TILES}
     groups = triton.cdiv(tokens, launch["BT"] * launch["TILES"])
     _segment_output_kernel[(num_ids * groups, HV)](
         out, carried, initial, cu_seqlens, state_indices if state_indices is not None else cu_seqlens, N, tokens,

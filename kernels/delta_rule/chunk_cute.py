@@ -110,7 +110,9 @@ side by side, in one state pass (the Triton kernel recomputes its segments in a 
 A sequence cut in s segments takes 2 s - 1 CTAs per head. H200, device time: a TP4 shard, 1 x 8192
 in eight segments, kernel 91 us (profiler), composition 26 and correction 30 (graph replay, L2
 flushed; 62 and 60 before their launches were retuned); 1 x 32768 in two, kernel 1246 us,
-correction 194 (421), composition 16 (18). H100, 32 heads, CUDA-graph replay:
+correction 194 (421), composition 16 (18); the correction since its 64-row tiles (2026-11-28): 26.5
+and 142 us (``affine_output``), the bench 1.681 -> 1.620 and 0.982 -> 0.924 ns per token-head. H100,
+32 heads, CUDA-graph replay:
 1 x 32768 tokens 3.80 -> 2.33 ns per token-head (two segments); a TP4 shard of 8 heads, 1 x 8192:
 14.8 -> 3.86 (eight). Segments write no checkpoints: with checkpoints a batch runs unsegmented
 (automatic dispatch then gives the few-CTA batches to Triton, ``cute_backend.defers``).

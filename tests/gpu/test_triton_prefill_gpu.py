@@ -247,17 +247,21 @@ def test_context_parallel_output_correction(dtype):
     assert torch.isnan(out_full[..., V:]).all()
 
 
+@pytest.mark.parametrize("tokens", [1024, 8192])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_segment_output_correction(dtype):
+def test_segment_output_correction(dtype, tokens):
     """``correct_segment_outputs`` (in-card segments: out += q~ S on every segment that continues
     a live sequence) against float64, with a ragged segment and a padding row, in both launches
-    (bf16 q~: two bf16 products; float32: tf32x3)."""
+    (bf16 q~: two bf16 products; float32: tf32x3) and both tilings of the bf16 one (short and
+    long segments)."""
     from cula_serve.kernels.common.affine_output import correct_segment_outputs
     from cula_serve.kernels.common.segments import num_segment_ids
 
-    T, HV, K, tokens = 4096, 8, 128, 1024
-    lens, slots = [2500, 1300, 296], [4, -1, 2]  # the padding row spans two segments
-    cu_seqlens = torch.tensor([0, 2500, 3800, T], dtype=torch.int32, device=DEVICE)
+    HV, K = 8, 128
+    # the padding row spans two segments
+    lens, slots = [2500 * tokens // 1024, 1300 * tokens // 1024, 296 * tokens // 1024], [4, -1, 2]
+    T = sum(lens)
+    cu_seqlens = torch.tensor([0, lens[0], lens[0] + lens[1], T], dtype=torch.int32, device=DEVICE)
     state_indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
     generator = torch.Generator(DEVICE).manual_seed(4)
     initial = torch.randn(num_segment_ids(T, len(lens), tokens), HV, K, K, generator=generator, device=DEVICE)
