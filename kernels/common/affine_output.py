@@ -29,7 +29,8 @@ _TILES_PER_PROGRAM = 8  # token tiles per program: S is loaded once for all of t
 # segments (a TP4 shard): 128-row tiles, four a program, 8 warps, 3 stages (S's parts and the q~
 # stages about 160 KB of shared memory: one program an SM) 195 / 30; 64-row tiles, 4 warps, 2 stages,
 # four a program 163 / 26.5, eight 142 / 36: eight where segments are long, four where they are
-# short, which keeps more programs on the SMs (2026-11-28; 64-row tf32x3 tiles at first: 421 / 60)
+# short (eight make 112 programs there, for 132 SMs) (2026-11-28; 64-row tf32x3 tiles at first:
+# 421 / 60)
 SEGMENT_OUTPUT_LAUNCH = dict(BT=64, TILES=4, num_warps=4, num_stages=2)
 LONG_SEGMENT_TILES = 8
 LONG_SEGMENT_TOKENS = 8192
