@@ -12,24 +12,29 @@ q and k l2-normalised, and S0 the state entering the chunk:
     O     = scale (exp(G) * Q) S0 + P U
     S_out = exp(G_C) * S0 + (exp(G_C - G) * K)^T U
 
-GDN is this with a scalar gate broadcast over the K channels; the W / U~ and state kernels are
-shared and a constexpr (PER_CHANNEL) picks how a decay is applied. Only stage 1 differs, because
-a scalar decay can be applied after a product and a per-channel one cannot.
+GDN is this with a scalar gate broadcast over the K channels; the state kernel is shared and a
+constexpr (PER_CHANNEL) picks how a decay is applied. The intra-chunk stages differ, because a
+scalar decay can be applied after a product and a per-channel one cannot.
 
-Launches per call: four for GDN, seven for KDA (six with float32 inputs; two more with segments,
+Launches per call: three for GDN, seven for KDA (six with float32 inputs; two more with segments,
 stage 3 below).
 0. ``kernels.common.varlen.chunk_indices``: the (sequence, chunk) of every global chunk id, on
    the device (no host synchronisation).
-1. P and M^-1 of every chunk, all chunks independent. l2norm, the fused gate, the in-chunk
-   cumulative sum and the beta sigmoid are applied in registers; P and N = M - I (strictly lower,
-   float32) go to [T, HV, C] workspaces, then M^-1 replaces N (block doubling within each of the
-   four 16 x 16 diagonal blocks, then (M^-1)_ij = -(M^-1)_ii sum_m N_im (M^-1)_mj: ``_invert_chunk``).
-   GDN, ``_gdn_intra_kernel``, grid ((T // C + N) x HV) (``_chunk_program``): P and N as two
-   whole-chunk products (q k^T, k k^T) times one C x C decay matrix, then after a barrier the
-   solve, reading N back in blocks (16-row blocks held in registers until the solve spilled:
-   1.80 ms against 0.98 for GDN 4 x 8192 on an H200). It also writes the row factors of kernels
-   2 and 3 (l2norms, decays, scale: four float32 per token and value head), which it has in
-   hand for P and N. KDA, whose per-channel decays only factor safely across sub-chunk
+1. The intra-chunk operands of every chunk, all chunks independent. l2norm, the fused gate, the
+   in-chunk cumulative sum and the beta sigmoid are applied in registers.
+   GDN, ``_gdn_intra_kernel``, grid ((T // C + N) x HV) (``_chunk_program``), kernels 1 and 2 in
+   one: P and N = M - I as two whole-chunk products (q k^T, k k^T) times one C x C decay matrix,
+   M^-1 by block doubling over the whole chunk on the tensor cores (``_invert_unit_lower``: five
+   pairs of C x C products, fp16 operands with bf16 / fp16 inputs as the CuTe DSL kernel's solve,
+   tf32x3 with float32 ones), held in registers for W and U~ (kernel 2's products, U~ in column
+   tiles of GDN_U_TILE). It writes P, W, U~ and the state pass's row factors (l2norms, decays,
+   scale: three float32 per token and value head). H200, GDN 4 x 8192: 1.04 ms against 0.73 +
+   0.45 for the former pair (P and N, N back from the workspace in 16 x 16 blocks and solved in
+   IEEE float32, M^-1 to the workspace; then W and U~ in a launch of their own); whole prefill
+   2.08 -> 1.91 ms. Final states against the float64 oracle 4.19e-4 against 4.18e-4 (random
+   keys), up to 1.14e-3 against 8.9e-4 with keys correlated within a chunk; outputs unchanged
+   (2.41e-3). Whole-chunk products are what Triton does well: 16 x 16 ones run as mma.sync on
+   layouts that must be converted first. KDA, whose per-channel decays only factor safely across sub-chunk
    boundaries (below): ``_kda_gate_kernel`` first writes G (the chunk-local cumulative log gate,
    float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV
    x 4,), one 16-row block of P and N per program, its decays read from G (with float32 inputs
@@ -49,22 +54,24 @@ stage 3 below).
    with Ke in bf16, P and M^-1 (fp16, out of place) as whole rows with zeros above, for the CuTe
    DSL state pass (``chunk_cute.kda_prefill``) that replaces kernels 2 and 3; there M^-1 comes
    from a tensor-core solve (``solve_cute.kda_solve``) instead of ``_invert_kernel``.
-2. ``_delta_wu_kernel``, same grid as the GDN intra kernel: U~ = M^-1 diag(beta) V and W as
-   C-row products over the whole chunk in column tiles of 32, into W [T, HV, K] and U~
-   [T, HV, V]. A separate launch because inside kernel 1 the products kept every v and k tile
-   live and spilled (GDN 4 x 8192 on an H200 went from 6.01 to 4.05 ms with the split). Folded
-   into kernel 3 instead (U = M^-1 diag(beta) (V - (exp(G) K) S) per chunk, no W / U~ workspace)
-   it adds a dependent product to the serial loop, which costs more than this kernel (H200, GDN
-   4 x 8192: state pass 1.01 -> 1.65 ms, against 0.58 for this kernel). KDA with bf16 / fp16
-   inputs reads its decayed K whole (Ke, kernel 1).
+2. KDA: ``_delta_wu_kernel``, same grid as kernel 1: U~ = M^-1 diag(beta) V and W as C-row
+   products over the whole chunk in column tiles of 32, into W [T, HV, K] and U~ [T, HV, V]
+   (GDN's intra kernel forms them itself). A separate launch because inside the intra-chunk
+   kernels the products kept every v and k tile live and spilled (GDN 4 x 8192 on an H200 went
+   from 6.01 to 4.05 ms with the split, when its intra kernel held 16-row blocks). Folded into
+   kernel 3 instead (U = M^-1 diag(beta) (V - (exp(G) K) S) per chunk, no W / U~ workspace) it
+   adds a dependent product to the serial loop, which costs more than this kernel (H200, GDN
+   4 x 8192: state pass 1.01 -> 1.65 ms, against 0.58 for this kernel then). With bf16 / fp16
+   inputs it reads the decayed K whole (Ke, kernel 1).
 3. ``_delta_state_kernel``, grid (N x V / BV, HV): one program per (sequence, value head, V
    tile) walks its chunks in order, the state tile S [K, BV] in float32 registers. The V tiles
    of a sequence and head run side by side (``segments.program_ids``), so q, k, W and P come
    from HBM once (H200, GDN 4 x 8192: 1.12 -> 1.02 ms against tiles in the slowest grid axis).
    Per chunk it reads W, U~, P and the decayed Q and K and applies the four products above.
    GDN rereads the raw q and k tiles and applies kernel 1's row factors to the products: with
-   the norms and gate recomputed here (and in kernel 2), GDN 4 x 8192 on an H200 took 1.02 ms
-   here and 0.58 in kernel 2, against 0.91 and 0.45 now (whole prefill 2.41 -> 2.20 ms). KDA
+   the norms and gate recomputed here (and in kernel 2, then a launch of its own), GDN 4 x 8192 on
+   an H200 took 1.02 ms here and 0.58 in kernel 2, against 0.91 and 0.45 (whole prefill 2.41 ->
+   2.20 ms). KDA
    with bf16 / fp16 inputs reads Qd and Kd (kernel 1) and G_C: forming them here (q, k and
    G [C, K] in float32, two C x K exponentials a chunk in the serial loop, 255 registers and
    spills) cost the state pass 1.49 ms against 0.88 at KDA 4 x 8192 on an H200 (whole prefill
@@ -80,16 +87,15 @@ stage 3 below).
    products, all SMs busy.
 
 Memory traffic per token and value head, beyond reading q, k, v, g, beta and writing o: the
-workspace W, U~, P, M^-1 written once and read once (W and P once per V tile, mostly from L2;
-plus N written and read back before the solve: within one GDN program, mostly from L2; between
-KDA's two launches, 256 more bytes each way; KDA's G, 4 K bytes written once and read by the
-later kernels; with bf16 / fp16 inputs KDA's Ke, Qd and Kd, 6 K bytes written once and read
-once (Qd and Kd once per V tile), where kernels 2 and 3 would otherwise reread q, k and G; GDN's
-row factors, 16 bytes written once and read by kernels 2 and 3).
-With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 (V + C) = 1152 bytes each way; the
-workspace is allocated per call ([T, HV, K + V + 2C], about 38 MB per 1000 tokens at 32 value
-heads; KDA's G and, with bf16 / fp16 inputs, Ke, Qd and Kd add 10 K bytes per token and value
-head, about 42 MB more per 1000 tokens at 32 heads; GDN's row factors 16 bytes).
+workspace W, U~ and P written once and read once (W and P once per V tile, mostly from L2);
+KDA also M^-1 (written once, read once) and N (between its launches, 256 more bytes each way),
+G (4 K bytes written once and read by the later kernels) and, with bf16 / fp16 inputs, Ke, Qd
+and Kd (6 K bytes written once and read once, Qd and Kd once per V tile, where kernels 2 and 3
+would otherwise reread q, k and G); GDN its row factors (12 bytes written once, read by kernel 3).
+With bf16 inputs and K = V = 128 that is 2 (K + C) + 4 V = 896 bytes each way for GDN, 256 more
+for KDA's M^-1; the workspace is allocated per call ([T, HV, K + V + C], about 29 MB per 1000
+tokens at 32 value heads, KDA 8 MB more for M^-1; KDA's G and, with bf16 / fp16 inputs, Ke, Qd
+and Kd add 10 K bytes per token and value head, about 42 MB more per 1000 tokens at 32 heads).
 
 Numerics of the gate. exp(G_t - G_s) <= 1 for s <= t, but exp(-G_s) alone overflows float32
 once a chunk's gates sum below about -88, which KDA's unbounded per-channel gate reaches easily.
@@ -132,7 +138,9 @@ Precision. Arithmetic and the state are float32. Products follow the inputs' dty
     (exp(G) Q) S use bf16 operands: their rounding stays below the bf16 output's own. The
     workspace holds W and P in bf16, U~ in float32.
   - fp16 inputs: as bf16 with fp16 for the raw-input products and tf32 in place of bf16 and bf16x2.
-  - the 16 x 16 products of the triangular solve are always IEEE float32.
+  - KDA's triangular solve (16 x 16 products) is always IEEE float32 (``_mm``); GDN's (whole-chunk
+    products) takes fp16 operands with bf16 / fp16 inputs, as the CuTe DSL kernel's solve does
+    (unit keys keep |N| <= beta <= 1), and tf32x3 with float32 ones.
 Scalar row factors (l2norm, GDN's gate, beta) are folded into the smaller operand of each
 product, so raw input tiles enter the tensor cores unrounded.
 
@@ -156,11 +164,18 @@ from ..common.varlen import chunk_indices, max_chunks
 SUB = tl.constexpr(16)  # rows of a sub-chunk: the block size of A, P and the triangular solve
 EPS = tl.constexpr(L2NORM_EPS)
 LN2 = tl.constexpr(math.log(2.0))
-ROW_FACTORS = tl.constexpr(4)  # GDN's float32 row factors per token and value head (``_scalar_gate_chunk``)
+ROW_FACTORS = tl.constexpr(3)  # GDN's float32 row factors per token and value head (``_gdn_intra_kernel``)
+LOG2_CHUNK = tl.constexpr(CHUNK_SIZE.bit_length() - 1)  # the kernels' C is CHUNK_SIZE
 # KDA diagonal blocks go to the tensor cores while exp(span) stays far from float32's 3.4e38 (e^88)
 FACTOR_SPAN = 80.0
 MAX_HEAD_DIM = 256  # K and V are held whole in registers (as their next power of two)
-WU_TILE = 32  # columns of W and U~ per product in the W / U~ kernel
+WU_TILE = 32  # columns of W and U~ per product in KDA's W / U~ kernel
+# Columns of U~ per product in GDN's intra kernel. H200, GDN 4 x 8192, that kernel (P, the solve, W
+# and U~) 1.04 ms at 64 against 1.39 at 128 (register cap 168; uncapped 1.20 at 64). At 32 Triton
+# 3.6's sm_90 code computed U~ wrong (relative error 1.2 against the float64 reference, where 64
+# and 128 and the interpreter at 32 are within 2.5e-3): its product has an operand from another
+# product's accumulator and a 32-column B tile.
+GDN_U_TILE = 64
 # Channels and warps of a KDA gate program. H200, KDA 32 heads 4 x 8192, the intra-chunk launches:
 # raw gates (softplus of the fused gate) 2.800 ms on 4 warps against 2.895 on 2 and 3.600 on 1;
 # prepared gates 1.936 / 1.934 / 1.938.
@@ -172,7 +187,8 @@ GATE_TILE, GATE_WARPS = 64, 4
 # instruction). H200, 32 heads 4 x 8192: KDA's intra-chunk launches, prepared / raw gates, 1.952 /
 # 2.809 ms uncapped, 1.771 / 2.595 with both at 168; the block kernel alone at 200, 168, 144, 128:
 # 1.989 / 2.816, 1.779 / 2.678, 1.979 / 2.871, 2.337 / 3.219. GDN's whole Triton prefill 2.376 ms
-# uncapped, 2.161 with its intra kernel at 168, 2.197 at 128. Not capped: the inverse (1.971 /
+# uncapped, 2.161 with its intra kernel at 168, 2.197 at 128 (when the solve and W / U~ were not in
+# it; GDN_U_TILE's comment has the kernel since). Not capped: the inverse (1.971 /
 # 2.827 at 168), the W / U~ kernel (2.378 at 168 and 128) and the state pass (3.490 / 3.410).
 INTRA_MAXNREG = 168
 # KDA's exact diagonal blocks with bf16 / fp16 inputs: channels per piece, warps and register cap.
@@ -347,46 +363,8 @@ def _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS: tl.constexpr):
 @triton.jit
 def _factor_rows(F_ws, tok, hv, HV: tl.constexpr):
     """Where the ROW_FACTORS row factors of tokens ``tok`` at value head ``hv`` sit in ``F_ws``
-    [T, HV, ROW_FACTORS]: + 0 the output's, + 1 the state update's, + 2 W's, + 3 exp(G_t)."""
+    [T, HV, ROW_FACTORS]: + 0 the output's, + 1 the state update's, + 2 exp(G_t)."""
     return F_ws + (tok * HV + hv) * ROW_FACTORS
-
-
-@triton.jit
-def _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws, F_ws,
-                       s_qt, s_qk, s_kt, s_kk, s_gt, s_bt,
-                       HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
-                       QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                       SAFE_GATE: tl.constexpr, BETA_LOGITS: tl.constexpr, PREC_IN: tl.constexpr):
-    """GDN's P and N = M - I of one chunk into the workspaces, as two whole-chunk products of the
-    raw q and k tiles: a scalar gate's decays exp(G_t - G_s) form one C x C matrix, applied to
-    the products with the l2norm and beta row and column factors. G runs in float64 (module
-    docstring). Also the row factors of kernels 2 and 3 into ``F_ws`` [T, HV, 4] float32, per
-    token: scale exp(G_t) / |q_t| (the output's), exp(G_C - G_t) / |k_t| (the state update's),
-    exp(G_t) / |k_t| (W's) and exp(G_t) (read at the chunk's last token: S's decay)."""
-    rows = tl.arange(0, C)
-    rmask = rows < L
-    tok = t0 + rows
-    qq = _load_rows(q, tok, rmask, s_qt, s_qk, K, BK)
-    kk = _load_rows(k, tok, rmask, s_kt, s_kk, K, BK)
-    rk = _inv_norm(kk, QK_L2NORM)
-    rq = _inv_norm(qq, QK_L2NORM) * scale
-    gg = _log_decay_rows(g, tok, rmask, s_gt, 0, A, dt_bias, lower_bound, 0, K, BK, False,
-                         FUSED_GATE, HAS_DT_BIAS, SAFE_GATE).to(tl.float64)
-    G = tl.cumsum(gg, 0)
-    decay_in = tl.exp(G.to(tl.float32))
-    factors = _factor_rows(F_ws, tok, hv, HV)
-    tl.store(factors, rq * decay_in, mask=rmask)
-    tl.store(factors + 1, rk * tl.exp((tl.sum(gg, 0) - G).to(tl.float32)), mask=rmask)
-    tl.store(factors + 2, rk * decay_in, mask=rmask)
-    tl.store(factors + 3, decay_in, mask=rmask)
-    lower = rows[:, None] >= rows[None, :]
-    decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0).to(tl.float32)) * rk[None, :]
-    kt = tl.trans(kk)
-    P = _dot(qq, kt, PREC_IN) * decay * rq[:, None]
-    _store_rows(P_ws, tl.where(lower, P, 0.0), tok, rmask, hv, HV, C, C)
-    b = _load_beta(beta, tok, rmask, s_bt, BETA_LOGITS)
-    N = _dot(kk, kt, PREC_IN) * decay * (b * rk)[:, None]
-    _store_rows(Minv_ws, tl.where(rows[:, None] > rows[None, :], N, 0.0), tok, rmask, hv, HV, C, C)
 
 
 @triton.jit
@@ -440,18 +418,24 @@ def _mm(a, b):
 
 
 @triton.jit
-def _invert_unit_lower16(N):
-    """(I + N)^-1 for a strictly lower triangular 16 x 16 N, by block doubling: with X_m the
-    inverse of the diagonal m x m blocks (block diagonal), each 2m x 2m block [[A, 0], [C, B]]
-    has the inverse [[A^-1, 0], [-B^-1 C A^-1, B^-1]], i.e. X_2m = X_m - X_m C_m X_m with C_m
-    the lower-left m x m blocks of N. Exactly the blocked forward substitution, in three pairs
-    of products instead of 15 dependent row steps (each a cross-warp reduction)."""
-    r = tl.arange(0, SUB)
+def _invert_unit_lower(N, r, LOG_R: tl.constexpr, PREC: tl.constexpr):
+    """(I + N)^-1 for a strictly lower triangular R x R N (R = 2^LOG_R), by block doubling:
+    with X_m the inverse of the diagonal m x m blocks (block diagonal), each 2m x 2m block
+    [[A, 0], [C, B]] has the inverse [[A^-1, 0], [-B^-1 C A^-1, B^-1]], i.e.
+    X_2m = X_m - X_m C_m X_m with C_m the lower-left m x m blocks of N. Exactly the blocked forward
+    substitution, in log2(R) - 1 pairs of R x R products (``_dot`` precision PREC) instead of
+    R - 1 dependent row steps (each a cross-warp reduction). ``r``: arange(0, R)."""
     X = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - tl.where(r[:, None] // 2 == r[None, :] // 2, N, 0.0)
-    for m in tl.static_range(1, 4):
+    for m in tl.static_range(1, LOG_R):
         lower_left = (r[:, None] >> (m + 1) == r[None, :] >> (m + 1)) & (r[:, None] >> m != r[None, :] >> m)
-        X = X - _mm(X, _mm(tl.where(lower_left, N, 0.0), X))
+        X = X - _dot(X, _dot(tl.where(lower_left, N, 0.0), X, PREC), PREC)
     return X
+
+
+@triton.jit
+def _invert_diag16(N):
+    """A 16 x 16 diagonal block's inverse, its products in IEEE float32 as ``_mm``'s."""
+    return _invert_unit_lower(N, tl.arange(0, SUB), 4, "ieee")
 
 
 @triton.jit
@@ -466,10 +450,10 @@ def _invert_chunk(ws, out, t0, L, hv, HV: tl.constexpr, C: tl.constexpr, WHOLE: 
     N30 = _load_block(ws, t0, 3 * SUB, 0, L, hv, HV, C)
     N31 = _load_block(ws, t0, 3 * SUB, SUB, L, hv, HV, C)
     N32 = _load_block(ws, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
-    I00 = _invert_unit_lower16(_load_block(ws, t0, 0, 0, L, hv, HV, C))
-    I11 = _invert_unit_lower16(_load_block(ws, t0, SUB, SUB, L, hv, HV, C))
-    I22 = _invert_unit_lower16(_load_block(ws, t0, 2 * SUB, 2 * SUB, L, hv, HV, C))
-    I33 = _invert_unit_lower16(_load_block(ws, t0, 3 * SUB, 3 * SUB, L, hv, HV, C))
+    I00 = _invert_diag16(_load_block(ws, t0, 0, 0, L, hv, HV, C))
+    I11 = _invert_diag16(_load_block(ws, t0, SUB, SUB, L, hv, HV, C))
+    I22 = _invert_diag16(_load_block(ws, t0, 2 * SUB, 2 * SUB, L, hv, HV, C))
+    I33 = _invert_diag16(_load_block(ws, t0, 3 * SUB, 3 * SUB, L, hv, HV, C))
     tl.debug_barrier()  # every warp has read N before any overwrites it
     I10 = -_mm(I11, _mm(N10, I00))
     I21 = -_mm(I22, _mm(N21, I11))
@@ -502,33 +486,57 @@ def _zero_upper_blocks(ws, t0, i, L, hv, HV: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _gdn_intra_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, scale,
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, chunk_table, state_indices,
-    P_ws, Minv_ws,
-    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_gt, s_gh, s_gk, s_bt, s_bh,
-    F_ws,
-    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+    P_ws, W_ws, U_ws, F_ws,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_gk, s_bt, s_bh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, C: tl.constexpr,
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
-    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr,
+    BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_IN: tl.constexpr, PREC_RAW: tl.constexpr,
+    PREC_SOLVE: tl.constexpr,
 ):
-    """GDN, one (chunk, value head): P and N = M - I of the chunk and the row factors into the
-    workspaces, then M^-1 in place of N (module docstring)."""
-    tl.static_assert(C == 4 * SUB)
+    """GDN, one (chunk, value head): P, W and U~ of the chunk and the row factors into the
+    workspaces. P and N = M - I are two whole-chunk products of the raw q and k tiles: a scalar
+    gate's decays exp(G_t - G_s) form one C x C matrix, applied to the products with the l2norm
+    and beta row and column factors (G in float64: module docstring). M^-1 stays in registers
+    (``_invert_unit_lower`` over the whole chunk), then W = M^-1 diag(beta exp(G) / |k|) K and
+    U~ = M^-1 diag(beta) V in column tiles of BT. The row factors of the state pass go to
+    ``F_ws`` [T, HV, ROW_FACTORS] float32 (``_factor_rows``)."""
     i_c, hv = _chunk_program(HV)
     h = hv // GROUP
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
-        L = tl.minimum(eos - t0, C).to(tl.int32)
-        q += h * s_qh
-        k += h * s_kh
-        g += hv * s_gh
-        beta += hv * s_bh
+        rows = tl.arange(0, C)
+        tok = t0 + rows
+        rmask = tok < eos
+        qq = _load_rows(q + h * s_qh, tok, rmask, s_qt, s_qk, K, BK)
+        kk = _load_rows(k + h * s_kh, tok, rmask, s_kt, s_kk, K, BK)
+        rk = _inv_norm(kk, QK_L2NORM)
+        rq = _inv_norm(qq, QK_L2NORM) * scale
         A, dt_bias = _head_gate(A_log, dt_bias, hv, K, False, FUSED_GATE)
-        _scalar_gate_chunk(q, k, g, beta, t0, L, hv, scale, A, dt_bias, lower_bound, P_ws, Minv_ws, F_ws,
-                           s_qt, s_qk, s_kt, s_kk, s_gt, s_bt, HV, K, BK, C, QK_L2NORM, FUSED_GATE,
-                           HAS_DT_BIAS, SAFE_GATE, BETA_LOGITS, PREC_IN)
-        tl.debug_barrier()  # N is read back by other warps than those that wrote it
-        _invert_chunk(Minv_ws, Minv_ws, t0, L, hv, HV, C, False)
+        gg = _log_decay_rows(g + hv * s_gh, tok, rmask, s_gt, 0, A, dt_bias, lower_bound, 0, K, BK, False,
+                             FUSED_GATE, HAS_DT_BIAS, SAFE_GATE).to(tl.float64)
+        G = tl.cumsum(gg, 0)
+        decay_in = tl.exp(G.to(tl.float32))
+        factors = _factor_rows(F_ws, tok, hv, HV)
+        tl.store(factors, rq * decay_in, mask=rmask)
+        tl.store(factors + 1, rk * tl.exp((tl.sum(gg, 0) - G).to(tl.float32)), mask=rmask)
+        tl.store(factors + 2, decay_in, mask=rmask)
+        lower = rows[:, None] >= rows[None, :]
+        decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0).to(tl.float32)) * rk[None, :]
+        kt = tl.trans(kk)
+        P = _dot(qq, kt, PREC_IN) * decay * rq[:, None]
+        _store_rows(P_ws, tl.where(lower, P, 0.0), tok, rmask, hv, HV, C, C)
+        b = _load_beta(beta + hv * s_bh, tok, rmask, s_bt, BETA_LOGITS)
+        N = tl.where(rows[:, None] > rows[None, :], _dot(kk, kt, PREC_IN) * decay * (b * rk)[:, None], 0.0)
+        Minv = _invert_unit_lower(N, rows, LOG2_CHUNK, PREC_SOLVE)
+        # the scalar row factors go to M^-1's columns: the raw k and v tiles enter the products unrounded
+        _store_rows(W_ws, _dot(Minv * (b * rk * decay_in)[None, :], kk, PREC_RAW), tok, rmask, hv, HV, K, BK)
+        Mb = Minv * b[None, :]
+        for c0 in tl.static_range(0, V, BT):
+            vv = _load_tile(v + hv * s_vh, tok, rmask, s_vt, s_vv, c0, V, BT)
+            _store_tile(U_ws, _dot(Mb, vv, PREC_RAW), tok, rmask, hv, c0, HV, V, BT)
 
 
 @triton.jit
@@ -867,25 +875,24 @@ def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws, T_ws,
 
 
 # ---------------------------------------------------------------------------------------------
-# kernel 2: W and U~ of every chunk
+# kernel 2 (KDA): W and U~ of every chunk
 
 
 @triton.jit
 def _delta_wu_kernel(
     k, v, beta,
     cu_seqlens, chunk_table, state_indices,
-    Minv_ws, W_ws, U_ws, G_ws, Ke_ws, F_ws,
+    Minv_ws, W_ws, U_ws, G_ws, Ke_ws,
     s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_bt, s_bh,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    BK: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_RAW: tl.constexpr, DECAYED_WS: tl.constexpr,
 ):
-    """One (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
+    """KDA, one (chunk, value head): U~ = M^-1 diag(beta) V and W = M^-1 diag(beta) (exp(G) * K / |k|),
     C-row products over the whole chunk in column tiles of BT, M^-1 read back from the workspace.
-    The decayed K comes whole from ``Ke_ws`` with DECAYED_WS (KDA, bf16 / fp16 inputs: the block
-    kernel wrote it), else from k and KDA's G (``G_ws``) or GDN's row factors exp(G) / |k|
-    (``F_ws``)."""
+    The decayed K comes whole from ``Ke_ws`` with DECAYED_WS (bf16 / fp16 inputs: the block
+    kernel wrote it), else from k and G (``G_ws``). (GDN's intra kernel holds M^-1 whole and
+    forms its W and U~ itself.)"""
     i_c, hv = _chunk_program(HV)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
@@ -896,7 +903,7 @@ def _delta_wu_kernel(
                        mask=rmask[:, None] & (rows[None, :] <= rows[:, None]), other=0.0)
         b = _load_beta(beta + hv * s_bh, tok, rmask, s_bt, BETA_LOGITS)
         # Column tiles of BT: a whole [C, V] result tile stayed live with its operands and spilled
-        # (GDN 4 x 8192 on an H200: 1.23 ms at BT = V = 128, 0.86 at 32).
+        # (GDN, when it ran here, 4 x 8192 on an H200: 1.23 ms at BT = V = 128, 0.86 at 32).
         Mb = Minv * b[None, :]
         for c0 in range(0, V, BT):
             vv = _load_tile(v + hv * s_vh, tok, rmask, s_vt, s_vv, c0, V, BT)
@@ -907,19 +914,13 @@ def _delta_wu_kernel(
             for c0 in range(0, K, BT):
                 Ke = _load_tile(Ke_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BT).to(tl.float32)
                 _store_tile(W_ws, _dot(Mb, Ke, PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
-        elif PER_CHANNEL:
+        else:
             rk = _inv_norm(_load_rows(k, tok, rmask, s_kt, s_kk, K, BK), QK_L2NORM)
             Mw = Minv * (b * rk)[None, :]
             for c0 in range(0, K, BT):
                 G = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BT)
                 kk = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT).to(tl.float32)
                 _store_tile(W_ws, _dot(Mw, kk * tl.exp(G), PREC_ACC), tok, rmask, hv, c0, HV, K, BT)
-        else:
-            # the scalar row factors go to M^-1's columns: the raw k tiles enter the product unrounded
-            Mw = Minv * (b * tl.load(_factor_rows(F_ws, tok, hv, HV) + 2, mask=rmask, other=0.0))[None, :]
-            for c0 in range(0, K, BT):
-                X = _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BT)
-                _store_tile(W_ws, _dot(Mw, X, PREC_RAW), tok, rmask, hv, c0, HV, K, BT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -947,7 +948,7 @@ def _delta_state_kernel(
     State columns from V_VALUES to V have zero values (U~ = 0): the state-map columns.
     DECAYED_WS (KDA, bf16 / fp16 inputs): the decayed Q and K come from ``Qd_ws`` and ``Kd_ws``
     (``_kda_block_kernel``), G_C from ``G_ws``. GDN: the row factors come from ``F_ws``
-    (``_scalar_gate_chunk``), applied to the products of the raw q and k tiles.
+    (``_gdn_intra_kernel``), applied to the products of the raw q and k tiles.
 
     Not SEGMENTED: program 0 is a sequence, S0 from the pool, the final state to the pool.
     SEGMENTED (``kernels.common.segments``): program 0 is a segment of ``segment_tokens``. With
@@ -1005,7 +1006,7 @@ def _delta_state_kernel(
                 G_after = tl.cumsum(gg, 0, reverse=True) - gg
             else:
                 factors = _factor_rows(F_ws, tok, hv, HV)
-                decay_out = tl.load(_factor_rows(F_ws, end_token, hv, HV) + 3)  # exp(G_C)
+                decay_out = tl.load(_factor_rows(F_ws, end_token, hv, HV) + 2)  # exp(G_C)
 
             # U = U~ - W S
             ws_row = tok[:, None] * HV + hv
@@ -1088,10 +1089,13 @@ def precisions(dtype: torch.dtype) -> dict:
     IEEE products lower to CUDA-core FMAs whose unrolled code spills heavily, and were no more
     accurate on an H200). The interpreter computes it exactly."""
     if dtype == torch.float32:
-        return dict(PREC_IN="tf32x3", PREC_ACC="tf32x3", PREC_RAW="tf32x3", PREC_FAST="tf32x3", PREC_UNIT="tf32x3")
+        return dict(PREC_IN="tf32x3", PREC_ACC="tf32x3", PREC_RAW="tf32x3", PREC_FAST="tf32x3", PREC_UNIT="tf32x3",
+                    PREC_SOLVE="tf32x3")
     if dtype == torch.float16:
-        return dict(PREC_IN="fp16", PREC_ACC="tf32", PREC_RAW="tf32", PREC_FAST="tf32", PREC_UNIT="fp16")
-    return dict(PREC_IN="bf16", PREC_ACC="tf32", PREC_RAW="bf16x2", PREC_FAST="bf16", PREC_UNIT="fp16")
+        return dict(PREC_IN="fp16", PREC_ACC="tf32", PREC_RAW="tf32", PREC_FAST="tf32", PREC_UNIT="fp16",
+                    PREC_SOLVE="fp16")
+    return dict(PREC_IN="bf16", PREC_ACC="tf32", PREC_RAW="bf16x2", PREC_FAST="bf16", PREC_UNIT="fp16",
+                PREC_SOLVE="fp16")
 
 
 def _intra_register_cap(prec: dict) -> dict:
@@ -1298,11 +1302,10 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     W_ws = torch.empty(T, HV, K, dtype=ws_dtype, device=device)
     U_ws = torch.empty(T, HV, V, dtype=torch.float32, device=device)
     P_ws = torch.empty(T, HV, C, dtype=ws_dtype, device=device)
-    Minv_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
     # KDA's cumulative log gate G: computed once by its own pass and read by the other kernels;
     # float32 inputs keep the gates' own summation order (module docstring, numerics): the block
     # kernel writes G and the state pass recomputes it
-    G_ws = torch.empty(T, HV, K, dtype=torch.float32, device=device) if per_channel else Minv_ws
+    G_ws = torch.empty(T, HV, K, dtype=torch.float32, device=device) if per_channel else U_ws
     gate_ws = per_channel and prec["PREC_ACC"] != "tf32x3"
     # ... and with it the state pass's decayed Q (rounded as its product rounds it: bf16 for bf16
     # inputs, else fp16, tf32's 11 bits) and K, and W's decayed K (fp16 for their tf32 products;
@@ -1310,33 +1313,31 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     Qd_ws = torch.empty(T, HV, K, dtype=q.dtype, device=device) if gate_ws else W_ws
     Kd_ws = torch.empty(T, HV, K, dtype=torch.float16, device=device) if gate_ws else W_ws
     Ke_ws = torch.empty(T, HV, K, dtype=torch.float16, device=device) if gate_ws else W_ws
-    # GDN's row factors (``_scalar_gate_chunk``)
+    # GDN's row factors (``_gdn_intra_kernel``)
     F_ws = W_ws if per_channel else torch.empty(T, HV, ROW_FACTORS.value, dtype=torch.float32, device=device)
     common = dict(HV=HV, GROUP=HV // H, K=K, BK=BK, C=C, PER_CHANNEL=per_channel,
                   QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=state_indices is not None, PREC_ACC=prec["PREC_ACC"])
 
     table = chunk_indices(cu_seqlens, T, C)
     grid = (max_chunks(T, N, C) * HV,)
+    wu_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
+                    V=V, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"])
     if per_channel:
+        Minv_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
         workspaces = (P_ws, Minv_ws, Minv_ws, G_ws, Qd_ws, Kd_ws, Ke_ws)
         _kda_intra(recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces, gate_ws, False)
+        # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: KDA 1.050 -> 1.001 ms);
+        # with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
+        _delta_wu_kernel[grid](
+            k, v, beta, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws, Ke_ws,
+            *k.stride(), *v.stride(), *beta.stride(), BT=WU_TILE, PREC_ACC=prec["PREC_ACC"], DECAYED_WS=gate_ws,
+            num_warps=4, num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **wu_flags)
     else:
-        gate_args = (A_log, dt_bias, lower_bound)
-        intra_args = (q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, Minv_ws,
-                      *q.stride(), *k.stride(), *g.stride(), *beta.stride())
-        intra_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
-                           **gate_flags)
-        # 4 warps: GDN 4 x 8192 whole prefill 3.21 ms with 4, 3.20 with 8 on an H200 (bf16)
-        register_cap = _intra_register_cap(prec)
-        _gdn_intra_kernel[grid](*intra_args, F_ws, BETA_LOGITS=recipe.beta_logits, PREC_IN=prec["PREC_IN"],
-                                num_warps=4, num_stages=1, **register_cap, **intra_flags)
-    # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: GDN 0.773 -> 0.739 ms, KDA
-    # 1.050 -> 1.001); with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
-    _delta_wu_kernel[grid](
-        k, v, beta, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws, Ke_ws, F_ws,
-        *k.stride(), *v.stride(), *beta.stride(),
-        V=V, BT=WU_TILE, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"], DECAYED_WS=gate_ws, num_warps=4,
-        num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **common)
+        _gdn_intra_kernel[grid](
+            q, k, v, g, beta, A_log, dt_bias, lower_bound, recipe.scale, cu_seqlens, table, slots,
+            P_ws, W_ws, U_ws, F_ws, *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+            BT=GDN_U_TILE, PREC_IN=prec["PREC_IN"], PREC_SOLVE=prec["PREC_SOLVE"], **wu_flags, **gate_flags,
+            num_warps=4, num_stages=1, **_intra_register_cap(prec))
 
     has_pool = state_pool is not None
     ckpt = checkpoint_indices if has_pool and checkpoint_every else None
