@@ -33,9 +33,8 @@ stage 3 below).
    IEEE float32, M^-1 to the workspace; then W and U~ in a launch of their own); whole prefill
    2.08 -> 1.91 ms. Final states against the float64 oracle 4.19e-4 against 4.18e-4 (random
    keys), up to 1.14e-3 against 8.9e-4 with keys correlated within a chunk; outputs unchanged
-   (2.41e-3). Whole-chunk products are what Triton does well: 16 x 16 ones run as mma.sync on
-   layouts that must be converted first. KDA, whose per-channel decays only factor safely across sub-chunk
-   boundaries (below): ``_kda_gate_kernel`` first writes G (the chunk-local cumulative log gate,
+   (2.41e-3). KDA, whose per-channel decays only factor safely across sub-chunk boundaries
+   (below): ``_kda_gate_kernel`` first writes G (the chunk-local cumulative log gate,
    float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV
    x 4,), one 16-row block of P and N per program, its decays read from G (with float32 inputs
    it computes the gates itself and writes G), then ``_kda_exact_diag_kernel`` (the diagonal
