@@ -33,7 +33,9 @@ stage 3 below).
    IEEE float32, M^-1 to the workspace; then W and U~ in a launch of their own); whole prefill
    2.08 -> 1.91 ms. Final states against the float64 oracle 4.19e-4 against 4.18e-4 (random
    keys), up to 1.14e-3 against 8.9e-4 with keys correlated within a chunk; outputs unchanged
-   (2.41e-3). KDA, whose per-channel decays only factor safely across sub-chunk boundaries
+   (2.41e-3). Not measured off Hopper: an sm_80 compile (mma.sync, operands in registers) spills
+   3.3 KB a thread at the register cap, 1.6 KB uncapped, where the former intra kernel spilled
+   0.9 KB. KDA, whose per-channel decays only factor safely across sub-chunk boundaries
    (below): ``_kda_gate_kernel`` first writes G (the chunk-local cumulative log gate,
    float32 [T, HV, K]) for kernels 1 to 3, then ``_kda_block_kernel``, grid ((T // C + N) x HV
    x 4,), one 16-row block of P and N per program, its decays read from G (with float32 inputs
