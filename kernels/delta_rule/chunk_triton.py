@@ -1084,7 +1084,8 @@ def precisions(dtype: torch.dtype) -> dict:
     operand is a raw input tile, PREC_FAST for W S and Q S, PREC_UNIT where errors are amplified
     and both operands' entries are at most 1 in magnitude (KDA's decayed q and k tiles whose
     factors are <= 1): fp16 cannot overflow there and keeps tf32's 10-bit mantissa, rounded, with
-    half the mma steps and operand bytes.
+    half the mma steps and operand bytes. PREC_SOLVE for GDN's whole-chunk solve
+    (``_invert_unit_lower``; KDA's 16 x 16 one is IEEE float32).
 
     float32 inputs take "tf32x3" (three tf32 products: float32 accuracy on the tensor cores;
     IEEE products lower to CUDA-core FMAs whose unrolled code spills heavily, and were no more
@@ -1321,7 +1322,7 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
 
     table = chunk_indices(cu_seqlens, T, C)
     grid = (max_chunks(T, N, C) * HV,)
-    wu_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
+    intra_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
                     V=V, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"])
     if per_channel:
         Minv_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
@@ -1332,12 +1333,12 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
         _delta_wu_kernel[grid](
             k, v, beta, cu_seqlens, table, slots, Minv_ws, W_ws, U_ws, G_ws, Ke_ws,
             *k.stride(), *v.stride(), *beta.stride(), BT=WU_TILE, PREC_ACC=prec["PREC_ACC"], DECAYED_WS=gate_ws,
-            num_warps=4, num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **wu_flags)
+            num_warps=4, num_stages=1 if prec["PREC_ACC"] == "tf32x3" else 3, **intra_flags)
     else:
         _gdn_intra_kernel[grid](
             q, k, v, g, beta, A_log, dt_bias, lower_bound, recipe.scale, cu_seqlens, table, slots,
             P_ws, W_ws, U_ws, F_ws, *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-            BT=GDN_U_TILE, PREC_IN=prec["PREC_IN"], PREC_SOLVE=prec["PREC_SOLVE"], **wu_flags, **gate_flags,
+            BT=GDN_U_TILE, PREC_IN=prec["PREC_IN"], PREC_SOLVE=prec["PREC_SOLVE"], **intra_flags, **gate_flags,
             num_warps=4, num_stages=1, **_intra_register_cap(prec))
 
     has_pool = state_pool is not None
