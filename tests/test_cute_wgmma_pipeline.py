@@ -60,7 +60,7 @@ def test_gdn_prefill_wgmma_is_not_serialised(tmp_path, segmented):
     # 44 wgmma a chunk (the aux's 16, the state's 28), waited on once per product group
     assert issues >= 44 and waits <= issues // 4, f"wgmma serialised: {events}"
     spill_loads = len(re.findall(r"\bLDL\b", sass))
-    assert spill_loads <= 8, f"{spill_loads} spill loads (5 plain and 6 segmented when written)"
+    assert spill_loads <= 8, f"{spill_loads} spill loads (7 plain, 6 segmented since the state computes the norms)"
 
 
 @pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented"])

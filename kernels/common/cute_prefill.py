@@ -95,9 +95,9 @@ def row_inv_norms(tile: cute.Tensor, dst: cute.Tensor, tid: Int32, QK_L2NORM: cu
     """dst[r] = 1 / sqrt(sum_c tile[r, c]^2 + eps) for the 64 rows of a [64, 128] bf16 tile by
     THREADS threads (two a row, 16-byte loads), or 1: in passes of THREADS / 2 rows, COUNT of
     them from pass ``first`` (0: all). The passes are a loop, not unrolled: unrolled, GDN's two
-    norm warps carried 1,600 instructions (25 KB) of straight-line code, and the kernel's roles
-    missed the instruction cache (H200, 4 x 8192: 0.609 -> 0.513 ns per token-head with the
-    loop)."""
+    norm warps of the time carried 1,600 instructions (25 KB) of straight-line code, and the
+    kernel's roles missed the instruction cache (H200, 4 x 8192: 0.609 -> 0.513 ns per token-head
+    with the loop)."""
     passes = COUNT if const_expr(COUNT > 0) else C // (THREADS // 2)
     for p in cutlass.range(first, first + passes, unroll=1):
         row = tid // 2 + p * (THREADS // 2)

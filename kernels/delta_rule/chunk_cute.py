@@ -22,11 +22,11 @@ Every exponent is <= 0: nothing overflows.
 One CTA per (sequence, value head), four warpgroups specialised so that one chunk's state-free
 products (A, P, the solve) overlap the previous chunk's state chain:
 - warpgroup 0, loads: warp 0 streams each chunk's q and k tiles into a ring of QK_STAGES
-  shared-memory buffers and v into V_STAGES, by TMA; warps 1 .. 3 prepare the chunk's per-row
+  shared-memory buffers and v into V_STAGES, by TMA; warps 1 and 2 prepare the chunk's per-row
   vectors in the slot of its q / k stage (``_prepare``): the gates (the fused gate, a warp scan
-  for G, the beta sigmoid, exp(G) and the tail decays, loaded a chunk ahead), k's and q's row
-  norms, then the factors each consumer takes whole (``_combine``: one exp2 per element of A
-  and P, one multiplication per element of Z, U and O);
+  for G, the beta sigmoid, exp(G) and the tail decays, loaded a chunk ahead), then, with the
+  state warpgroups' row norms, the factors each consumer takes whole (``_combine``: one exp2 per
+  element of A and P, one multiplication per element of Z, U and O);
 - warpgroup 3, the aux, a chunk ahead (``_aux``): P = Q K^T and A = K K^T (wgmma), scaled;
   T = (I + A)^-1 (``_invert``: 8 x 8 diagonal blocks by forward substitution in float32, then
   three doublings on the tensor cores in fp16), solved in place in one of PRODUCT_STAGES fp16
@@ -36,7 +36,8 @@ products (A, P, the solve) overlap the previous chunk's state chain:
   A operand. Per chunk: S^T K^T and O^T = S^T Q^T, then U^T = ((V^T - Z) diag(beta)) T^T with
   the left factor from registers, then O^T += U^T P^T and the state update with U^T from
   registers, the output through shared memory by TMA store. The two take turns to issue each
-  group of wgmma (``_issue_turn``; not in segments).
+  group of wgmma (``_issue_turn``; not in segments). While their first products run they compute
+  the next chunk's row norms of q (warpgroup 0) and k (1) for the preparation (``_state_norms``).
 (V^T - Z) diag(beta) and T are fp16 operands (11 significant bits; their values must stay within
 fp16's 65504); the state update's U^T is one bf16 operand, as in FLA's and FlashInfer's updates.
 S^T (in S K^T and S Q^T) and P are bf16 operands, as S^T and P are in FLA's pipeline; the
@@ -90,6 +91,12 @@ none of them, and the aux runs P's product alone, reading the exponents while it
 bitwise the same outputs). The aux then waited a third of its samples for the preparation warps'
 ``ready``; the segmented builds spread the row norms over three warps (``_prepare``). The bench:
 4 x 8192 0.414, 8 x 1024 0.522, 1 x 2048 1.776, 1 x 32768 0.982, TP4 1.681 (BENCHMARKS.md).
+Without the in-kernel norms (timing only) the kernel was 9% faster (4 x 8192 0.413 -> 0.379, 1 x 2048
+1.78 -> 1.62), and faster norm code made it slower: the norm warps took issue slots from the aux.
+The state warpgroups now compute the norms in the window where they waited for the aux, a chunk
+ahead, and the preparation only combines: 4 x 8192 0.414 -> 0.384, 8 x 1024 0.525 -> 0.503, 1 x 2048
+1.771 -> 1.627 (same process, graph replay, bitwise the same outputs; 2026-11-28); the bench: 4 x
+8192 0.371, 8 x 1024 0.495, 1 x 2048 1.614, 1 x 32768 0.917, TP4 1.602.
 The first warp-specialised version had the aux form -W = -T'' K as well (T'' = T diag(beta
 exp(G) rk)) and the state subtract S^T W^T: 0.800 at 4 x 8192.
 Earlier (H100, the serial kernel) a chunk took about 13.9k cycles: the solve 4.5k (since then
@@ -202,12 +209,8 @@ KDA_STATE_REGS = 232
 # named barriers: 0 is the CTA's, 1 and 2 each state warpgroup's (``finish_chunk``)
 AUX = 3  # the aux warpgroup
 PAIR = 4  # 4 and 5: the aux's warps 0 and 1, and 2 and 3, in the solve
-PREPARE = 6  # the load warpgroup's warps 1 .. 3
+PREPARE = 6  # the load warpgroup's warps 1 and 2
 ORDER = 7  # 7 and 8: the state warpgroups' turns to issue their wgmma (``_issue_turn``)
-# the preparation's passes of 16 rows over q's and k's rows (``_prepare`` with SPREAD_NORMS)
-NORM_PASSES = 2 * C // 16
-NORM_WARP_PASSES = 3  # warps 2 and 3
-GATE_WARP_PASSES = NORM_PASSES - 2 * NORM_WARP_PASSES  # warp 1, after the gates
 
 
 @cute.jit
@@ -405,20 +408,15 @@ def _combine(vectors: tuple, scale: Float32, log2_scale: Float32, r: Int32):
 
 
 @cute.jit
-def _prepare(storage, loads, ready, g: cute.Tensor, beta: cute.Tensor,
+def _prepare(storage, loads, ready, normed, g: cute.Tensor, beta: cute.Tensor,
              A_log: cute.Tensor, dt_bias: cute.Tensor, scale: Float32, hv: Int32, bos: Int32, length: Int32,
-             num_chunks: Int32, warp: Int32, lane: Int32, QK_L2NORM: cutlass.Constexpr[bool],
-             GATE: cutlass.Constexpr[int], HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool],
-             SPREAD_NORMS: cutlass.Constexpr[bool]):
-    """Warps 1 .. 3 of the load warpgroup: each chunk's vectors into the slot of its q / k stage
+             num_chunks: Int32, warp: Int32, lane: Int32, GATE: cutlass.Constexpr[int],
+             HAS_DT_BIAS: cutlass.Constexpr[bool], BETA_LOGITS: cutlass.Constexpr[bool]):
+    """Warps 1 and 2 of the load warpgroup: each chunk's vectors into the slot of its q / k stage
     (which holds nothing older once the chunk's tiles have landed). Warp 1 the gates (their raw
-    inputs loaded a chunk ahead), warp 2 k's row norms, warp 3 q's, or with SPREAD_NORMS the three
-    share the norms; then, a row a thread, the factors the aux and the state take (``_combine``)
-    and ``ready``. The aux waits for ``ready`` (ncu, 4 x 2048: a third of its stall samples once it
-    no longer spilled); the segmented builds spread the norms (H200, graph replay, ns per
-    token-head: 1 x 32768 1.106 -> 0.98, a TP4 shard 1.80 -> 1.68), the unsegmented ones do not: the
-    pass loop made them slower, spread or not (4 x 8192 0.412 -> 0.46, 1 x 2048 1.77 -> 1.86; not
-    understood)."""
+    inputs loaded a chunk ahead); once the state warpgroups have written the chunk's row norms
+    (``normed``, ``_state_norms``), both warps form, a row a thread, the factors the aux and the
+    state take (``_combine``) and commit ``ready``, which the aux waits for."""
     A = Float32(1.0)
     bias = Float32(0.0)
     if const_expr(GATE != GATE_NONE):
@@ -427,38 +425,22 @@ def _prepare(storage, loads, ready, g: cute.Tensor, beta: cute.Tensor,
             bias = Float32(dt_bias[hv])
     log2_scale = cute.math.log2(scale, fastmath=True)
     gate_warp = warp == 1
-    # only the gate warp loads (the others' empty rows load nothing)
+    # only the gate warp loads (the other's empty rows load nothing)
     raw = _load_gates(g, beta, bos, cutlass.select_(gate_warp, length, 0), hv, lane)
-    both = kmajor(C, HEAD_DIM, 2 * QK_STAGES)  # sQ's stages, then sK's
-    sQK = storage.sQ.get_tensor(both.outer, swizzle=both.inner)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QK_STAGES)
     for j in cutlass.range(num_chunks, unroll=1):
         loads.consumer_wait(state)
         vectors = _vectors(storage, state.index)
-        sG, sB, sDecay, sTail, rq, rk = vectors[:6]
         if gate_warp:
+            sG, sB, sDecay, sTail = vectors[:4]
             _chunk_gates(raw, sG, sB, sDecay, sTail, cutlass.min(length - j * C, C), A, bias, lane, GATE,
                          BETA_LOGITS)
-        # one call site for the row norms, so that the instruction cache holds one copy of their code:
-        # sK's stages follow sQ's, and rk follows rq
-        if const_expr(SPREAD_NORMS):
-            # passes of 16 rows, q's 0 .. 3 and k's 4 .. 7: 3, 3 and, after its gates, 2 for warp 1
-            first = cutlass.select_(gate_warp, NORM_PASSES - GATE_WARP_PASSES, (warp - 2) * NORM_WARP_PASSES)
-            count = cutlass.select_(gate_warp, GATE_WARP_PASSES, NORM_WARP_PASSES)
-            for p in cutlass.range(first, first + count, unroll=1):
-                k_rows = p // (NORM_PASSES // 2)
-                dst = cute.make_tensor(rq.iterator + k_rows * C, rq.layout)
-                row_inv_norms(sQK[None, None, state.index + k_rows * QK_STAGES], dst, lane, QK_L2NORM, 32,
-                              p % (NORM_PASSES // 2), 1)
-        elif not gate_warp:
-            k_warp = Int32(warp == 2)  # k's norms, q's on warp 3
-            dst = cute.make_tensor(rq.iterator + k_warp * C, rq.layout)
-            row_inv_norms(sQK[None, None, state.index + k_warp * QK_STAGES], dst, lane, QK_L2NORM, 32)
         raw = _load_gates(g, beta, bos + (j + 1) * C, cutlass.select_(gate_warp, length - (j + 1) * C, 0), hv,
                           lane)
-        cute.arch.barrier(barrier_id=PREPARE, number_of_threads=96)
-        if warp < 3:
-            _combine(vectors, scale, log2_scale, (warp - 1) * 32 + lane)
+        normed.consumer_wait(state)
+        cute.arch.barrier(barrier_id=PREPARE, number_of_threads=64)
+        _combine(vectors, scale, log2_scale, (warp - 1) * 32 + lane)
+        normed.consumer_release(state)
         ready.producer_commit(state)
         state.advance()
 
@@ -575,6 +557,21 @@ def _pass_turn(w: Int32, j: Int32, num_chunks: Int32, ORDERED: cutlass.Constexpr
 
 
 @cute.jit
+def _state_norms(storage, loads, normed, ahead, norm_out, w: Int32, tid: Int32, QK_L2NORM: cutlass.Constexpr[bool]):
+    """State warpgroup w's share of chunk ``ahead``'s row norms, for the preparation warps
+    (``normed``): warpgroup 0 q's, 1 k's, a warp per 16 rows (``row_inv_norms``), into rq / rk of
+    the chunk's vectors (rk follows rq, as sK's stages follow sQ's)."""
+    loads.consumer_wait(ahead)
+    normed.producer_acquire(norm_out)
+    both = kmajor(C, HEAD_DIM, 2 * QK_STAGES)
+    sQK = storage.sQ.get_tensor(both.outer, swizzle=both.inner)
+    rq = _vectors(storage, ahead.index)[4]
+    dst = cute.make_tensor(rq.iterator + w * C, rq.layout)
+    row_inv_norms(sQK[None, None, ahead.index + w * QK_STAGES], dst, tid % 32, QK_L2NORM, 32, tid // 32, 1)
+    normed.producer_commit(norm_out)
+
+
+@cute.jit
 def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, products, w: Int32,
                 tid: Int32, out: cute.Tensor, tma_o: cute.CopyAtom, o_tiles: cute.Tensor, pool: cute.Tensor,
                 has_initial_state: cute.Tensor, checkpoint_indices: cute.Tensor, checkpoint_every: Int32,
@@ -582,7 +579,7 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
                 num_chunks: Int32, slot: Int64, live, segment: tuple, out_layout: cutlass.Constexpr,
                 HAS_POOL: cutlass.Constexpr[bool], HAS_INIT_FLAGS: cutlass.Constexpr[bool],
                 HAS_CKPT: cutlass.Constexpr[bool], SEGMENTED: cutlass.Constexpr[bool],
-                PER_CHANNEL: cutlass.Constexpr[bool] = False):
+                PER_CHANNEL: cutlass.Constexpr[bool] = False, normed=None, QK_L2NORM: cutlass.Constexpr[bool] = False):
     """A state warpgroup: state rows and output columns w * 64 .. w * 64 + 63 (module docstring),
     the chunk's chain from the aux's products.
 
@@ -665,6 +662,9 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, loads.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, v_loads.num_stages)
         chunk = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, PRODUCT_STAGES)
+        # GDN: the row norms a chunk ahead (``_state_norms``)
+        ahead = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, loads.num_stages)
+        norm_out = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, loads.num_stages)
         for j in cutlass.range(num_chunks, unroll=1):
             L = cutlass.min(length - j * C, C)
             for i in cutlass.range_constexpr(cute.size(accS)):
@@ -680,6 +680,15 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
             gemm(mma_up, accX, tUrS, tXrK[None, None, None, stage], False)
             gemm(mma_up, accO, tUrS, tOrQ[None, None, None, stage], False)
             _pass_turn(w, j, num_chunks, ORDERED)
+            if const_expr(normed is not None):
+                # the next chunk's norms while these products run and the aux finishes this chunk's
+                # solve: the state waited here anyway, and the preparation warps computing them took
+                # issue slots from the aux (module docstring: 4 x 8192 0.414 -> 0.384 ns per token-head)
+                # chunks 0 and 1 in the first iteration, one call site for the instruction cache
+                for _ in cutlass.range(cutlass.select_(j == 0, 0, j + 1), cutlass.min(j + 2, num_chunks), unroll=1):
+                    _state_norms(storage, loads, normed, ahead, norm_out, w, tid, QK_L2NORM)
+                    ahead.advance()
+                    norm_out.advance()
             # the chunk's products (and vectors) only now, under S^T's: they need none of them, and
             # the aux finishes its solve meanwhile
             product_stage = stage
@@ -842,7 +851,7 @@ def _gdn_kernel(
 
     @cute.struct
     class Shared:
-        barriers: cute.struct.MemRange[Int64, 2 * (2 * QK_STAGES + V_STAGES + PRODUCT_STAGES)]
+        barriers: cute.struct.MemRange[Int64, 2 * (3 * QK_STAGES + V_STAGES + PRODUCT_STAGES)]
         # sK's stages right after sQ's (a multiple of 1024 bytes): ``_prepare`` reads them as one tensor
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tile_layout)], 1024]
@@ -862,8 +871,13 @@ def _gdn_kernel(
     v_loads = make_loads(barriers + 2 * QK_STAGES, V_STAGES, 1, 8, defer_sync=True)
     ready = pipeline.PipelineAsync.create(
         barrier_storage=barriers + 2 * (QK_STAGES + V_STAGES), num_stages=QK_STAGES,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 96),
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 64),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1), defer_sync=True)
+    # the state warpgroups' row norms to the preparation warps (``_state_norms``)
+    normed = pipeline.PipelineAsync.create(
+        barrier_storage=barriers + 2 * (2 * QK_STAGES + V_STAGES + PRODUCT_STAGES), num_stages=QK_STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 64), defer_sync=True)
     products = pipeline.PipelineAsync.create(
         barrier_storage=barriers + 2 * (2 * QK_STAGES + V_STAGES), num_stages=PRODUCT_STAGES,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
@@ -875,9 +889,9 @@ def _gdn_kernel(
             if warp == 0:
                 produce(((tma_q, q_tiles, h, sQ, HEAD_DIM), (tma_k, k_tiles, h, sK, HEAD_DIM)), (tma_v, v_tiles, sV),
                         loads, bos, num_chunks, hv, v_loads)
-            else:
-                _prepare(storage, loads, ready, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
-                         warp, tidx % 32, QK_L2NORM, GATE, HAS_DT_BIAS, BETA_LOGITS, SEGMENTED)
+            elif warp < 3:
+                _prepare(storage, loads, ready, normed, g, beta, A_log, dt_bias, scale, hv, bos, length, num_chunks,
+                         warp, tidx % 32, GATE, HAS_DT_BIAS, BETA_LOGITS)
     elif wg > 2:  # not ``wg == 3``, and the aux's tid from wg: ptxas then spills 64 bytes, not 180
         _set_registers(AUX_REGS)
         if live:
@@ -887,7 +901,7 @@ def _gdn_kernel(
         _state_math(storage, (sQ, sK, sK, sP, sT), sV, loads, v_loads, products, wg - 1, tidx - 128 * wg, out, tma_o,
                     o_tiles, pool, has_initial_state, checkpoint_indices, checkpoint_every, num_checkpoints, n, hv,
                     bos, length, num_chunks, slot, live, segment, out_layout, HAS_POOL, HAS_INIT_FLAGS, HAS_CKPT,
-                    SEGMENTED)
+                    SEGMENTED, False, normed, QK_L2NORM)
 
 
 @cute.jit
