@@ -89,10 +89,11 @@ So the state warpgroups now wait for the products after issuing S^T K^T and S^T 
 none of them, and the aux runs P's product alone, reading the exponents while it runs, then A's
 (``_aux``): 4 x 8192 0.461 -> 0.450 -> 0.412, 1 x 32768 1.245 -> 1.170 -> 1.100 (same process,
 bitwise the same outputs). The aux then waited a third of its samples for the preparation warps'
-``ready``; the segmented builds spread the row norms over three warps (``_prepare``). The bench:
+``ready``; the segmented builds spread the row norms over three warps (then). The bench:
 4 x 8192 0.414, 8 x 1024 0.522, 1 x 2048 1.776, 1 x 32768 0.982, TP4 1.681 (BENCHMARKS.md).
 Without the in-kernel norms (timing only) the kernel was 9% faster (4 x 8192 0.413 -> 0.379, 1 x 2048
-1.78 -> 1.62), and faster norm code made it slower: the norm warps took issue slots from the aux.
+1.78 -> 1.62), and faster norm code made it slower (a reading: the norm warps took issue slots
+from the aux).
 The state warpgroups now compute the norms in the window where they waited for the aux, a chunk
 ahead, and the preparation only combines: 4 x 8192 0.414 -> 0.384, 8 x 1024 0.525 -> 0.503, 1 x 2048
 1.771 -> 1.627 (same process, graph replay, bitwise the same outputs; 2026-11-28); the bench: 4 x
@@ -592,6 +593,9 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
     takes U^T in two fp16 parts against Kd (GDN's: one bf16 part against K), and S^T's columns
     decay by exp(G_C) one by one.
     Unsegmented, the two state warpgroups take turns to issue each group of wgmma (``_issue_turn``).
+    ``normed`` (GDN): the pipeline that hands the preparation warps the row norms these warpgroups
+    compute a chunk ahead (``_state_norms``, with QK_L2NORM); None for KDA, whose operands come
+    normalised.
 
     SEGMENTED: ``segment`` = (transitions, q_carried, sid, j, last, maps), the CTA a segment's
     (``_gdn_kernel``): value rows (maps false) start from the pool in a sequence's first segment
