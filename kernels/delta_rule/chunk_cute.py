@@ -36,7 +36,7 @@ products (A, P, the solve) overlap the previous chunk's state chain:
   A operand. Per chunk: S^T K^T and O^T = S^T Q^T, then U^T = ((V^T - Z) diag(beta)) T^T with
   the left factor from registers, then O^T += U^T P^T and the state update with U^T from
   registers, the output through shared memory by TMA store. The two take turns to issue each
-  group of wgmma (``_issue_turn``; not in segments). While their first products run they compute
+  group of wgmma (``_issue_turn``; in segments too). While their first products run they compute
   the next chunk's row norms of q (warpgroup 0) and k (1) for the preparation (``_state_norms``).
 (V^T - Z) diag(beta) and T are fp16 operands (11 significant bits; their values must stay within
 fp16's 65504); the state update's U^T is one bf16 operand, as in FLA's and FlashInfer's updates.
@@ -536,8 +536,10 @@ def _issue_turn(w: Int32, j: Int32, ORDERED: cutlass.Constexpr[bool], FIRST_GROU
     goes first: no wait before its first group of chunk 0). Taking turns, one warpgroup's
     products finish while the other's still run, and its conversions overlap them; issued
     together, both finished late and then left the tensor cores idle together (H200, graph
-    replay, ns per token-head: 4 x 8192 0.498 -> 0.487, 1 x 2048 1.997 -> 1.947). The segmented
-    builds do not take turns (ORDERED false): they measured 0.3-1.9% slower with them."""
+    replay, ns per token-head: 4 x 8192 0.498 -> 0.487, 1 x 2048 1.997 -> 1.947). KDA's segmented
+    builds do not take turns (ORDERED false): its 1 x 32768 measured 2.273 -> 2.298 with them (the
+    segmented builds of both measured 0.3-1.9% slower with turns before GDN's state warpgroups took
+    the row norms; since then GDN's gain: 1 x 32768 0.921 -> 0.908, a TP4 shard 1.603 -> 1.588)."""
     if const_expr(ORDERED and FIRST_GROUP):
         if (w == 1) | (j > 0):
             cute.arch.barrier(barrier_id=ORDER + w, number_of_threads=256)
@@ -592,7 +594,8 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
     (the stage's beta and exp(G_C) vectors, Kd's rows past the sequence zeroed). The update then
     takes U^T in two fp16 parts against Kd (GDN's: one bf16 part against K), and S^T's columns
     decay by exp(G_C) one by one.
-    Unsegmented, the two state warpgroups take turns to issue each group of wgmma (``_issue_turn``).
+    The two state warpgroups take turns to issue each group of wgmma (``_issue_turn``; KDA's only
+    unsegmented).
     ``normed`` (GDN): the pipeline that hands the preparation warps the row norms these warpgroups
     compute a chunk ahead (``_state_norms``, with QK_L2NORM); None for KDA, whose operands come
     normalised.
@@ -644,7 +647,7 @@ def _state_math(storage, operands: tuple, sV: cute.Tensor, loads, v_loads, produ
     tUrZ = mma_u.make_fragment_A(thr_u.partition_shape_A((HALF, C)))
     tSrU = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C)))  # (KDA: its hi part)
     tSrU_lo = mma_st.make_fragment_A(thr_st.partition_shape_A((HALF, C))) if const_expr(PER_CHANNEL) else None
-    ORDERED = not SEGMENTED
+    ORDERED = not (SEGMENTED and PER_CHANNEL)
     cU = thr_up.partition_C(cute.make_identity_tensor((HALF, C)))  # (row, column) of each element
     cS = thr_st.partition_C(cute.make_identity_tensor((HALF, HEAD_DIM)))
 
