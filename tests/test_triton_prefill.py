@@ -475,23 +475,27 @@ def test_lightning_composition_in_blocks_of_four(generator):
     assert_same_writes(pool, ref_pool, 1e-5)
 
 
+@pytest.mark.parametrize("lens,slots,has_init,tokens", [
+    ([300, 0, 1, 200, 130], [3, 1, 0, -1, 5], [True, False, False, True, True], 128),  # up to three segments
+    ([200, 0, 1, 40, 130], [3, 1, 0, -1, 5], [True, False, False, True, False], 192),  # at most two: one launch
+])
 @pytest.mark.parametrize("state_dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                    (torch.float32, torch.bfloat16)])
-def test_one_pass_segments_compose_and_correct(state_dtype, out_dtype, generator):
+def test_one_pass_segments_join(state_dtype, out_dtype, lens, slots, has_init, tokens, generator, monkeypatch):
     """In-card segments as the CuTe DSL GDN prefill runs them, in one state pass: each segment on
     its own (value rows from the pool in a sequence's first segment, else from zeros; K map rows
-    from the identity, ``map_columns``), here by the triton prefill; then
-    ``compose_initial_states(final_pool=...)`` writes the final states and
-    ``correct_segment_outputs`` adds q~ S. Against the oracle on the whole batch: sequences of
-    300, 0 (no initial state: its slot still gets zeros), 1, 200 (padding) and 130 tokens in
-    segments of 128; permuted slots; out NaN-poisoned where no segment writes. bf16 outputs and
-    carried queries, as the CuTe DSL kernel writes them, take the correction's bf16 products."""
-    from cula_serve.kernels.common.affine_output import correct_segment_outputs
-    from cula_serve.kernels.common.segments import compose_initial_states, num_segment_ids
+    from the identity, ``map_columns``), here by the triton prefill; then ``join_segments`` writes
+    the final states and adds q~ S (two launches, or one where no sequence has more than two
+    segments). Against the oracle on the whole batch: an empty sequence (no initial state: its slot
+    still gets zeros), one of one token, a padding one; permuted slots; out NaN-poisoned where no
+    segment writes. bf16 outputs and carried queries, as the CuTe DSL kernel writes them, take the
+    correction's bf16 products. The correction's tiles are shrunk to 2 x 16 rows and the final
+    state's blocks to 16 x 16, so that a segment and a state span several programs."""
+    from cula_serve.kernels.common import affine_output
+    from cula_serve.kernels.common.segments import num_segment_ids
 
-    lens, slots, has_init = [300, 0, 1, 200, 130], [3, 1, 0, -1, 5], [True, False, False, True, True]
     shape = dict(H=1, HV=2, K=32, V=32)
-    HV, K, V, tokens = shape["HV"], shape["K"], shape["V"], 128
+    HV, K, V = shape["HV"], shape["K"], shape["V"]
     kw = random_inputs("gdn", (sum(lens),), **shape, dtype=torch.float32, generator=generator)
     pool, call = _varlen_case(generator, shape, lens, slots, has_init, state_dtype=state_dtype)
     ref_o, _ = prefill_call("gdn", to_float64(kw), state_pool=(ref_pool := pool.double()), **call, **ORACLE)
@@ -520,10 +524,11 @@ def test_one_pass_segments_compose_and_correct(state_dtype, out_dtype, generator
                                         map_columns=K, **TRITON)
                 out[rows], carried[rows], transitions[sid] = o[..., :V], o[..., V:], final[0]
             sid += 1
-    initial = torch.full((transitions.shape[0], HV, V, K), float("nan"))
-    compose_initial_states(cu, call["state_indices"], transitions, initial, tokens=tokens, V=V, final_pool=pool)
     carried, out = carried.to(out_dtype), out.to(out_dtype)  # as the CuTe DSL kernel leaves them, for bf16
-    correct_segment_outputs(cu, call["state_indices"], carried, initial, out, tokens=tokens)
+    for name in ("SEGMENT_OUTPUT_LAUNCH", "FLOAT_SEGMENT_OUTPUT_LAUNCH", "TWO_SEGMENT_JOIN_LAUNCH"):
+        monkeypatch.setattr(affine_output, name, dict(getattr(affine_output, name), BT=16, TILES=2))
+    monkeypatch.setattr(affine_output, "TWO_SEGMENT_FINAL_BLOCK", dict(BV=16, BK=16))
+    affine_output.join_segments(cu, call["state_indices"], transitions, carried, out, pool, tokens=tokens)
     tol = tolerance(out_dtype, state_dtype)
     assert_close(out, ref_o, tol)
     assert_same_writes(pool, ref_pool, tol)

@@ -4,9 +4,10 @@ another type inside an ``if``, for one), which would then fail on the first GPU 
 
 A fresh process without ``TRITON_INTERPRET`` runs the Level-1 API on CPU tensors with the
 launches recorded instead of run (prefill of GDN, KDA and Lightning with bf16 and float32
-inputs, checkpoints and segments; KDA's operands for the cute backend's state pass; decode;
-verify in the three protocols, with a pending commit, and commit), then compiles each distinct
-launch (79: about 85 s on one core) for sm_90 with its arguments' types, constexprs, options and
+inputs, checkpoints and segments; KDA's operands for the cute backend's state pass and the
+Triton launches of its segments' join; decode; verify in the three protocols, with a pending
+commit, and commit), then compiles each distinct
+launch (82: about 85 s on one core) for sm_90 with its arguments' types, constexprs, options and
 the JIT's divisibility hints (pointers 16-byte aligned, integers that are multiples of 16).
 
 The tensor-core verifies (``verify_wy_triton``, ``verify_chunk_triton``) are held to one more
@@ -110,6 +111,14 @@ recipe, g, beta = _recipe("kda", (sum(lens),), 8, 128, device=kw["q"].device, g=
                           scale=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
                           dt_bias=kw["dt_bias"], lower_bound=None, use_beta_sigmoid_in_kernel=True)
 kda_chunk_operands(recipe, kw["q"], kw["k"], g, beta, cu_seqlens=cu_seqlens, state_indices=slots)
+
+# the Triton launches of the cute backend's one-pass segments' join: one (two segments), then two
+from cula_serve.kernels.common.affine_output import join_segments
+for tokens, pool_dtype in ((192, torch.float32), (192, torch.bfloat16), (64, torch.float32), (8192, torch.bfloat16)):
+    transitions = torch.zeros(8, 8, 256, 128)
+    join_segments(cu_seqlens, slots, transitions, torch.zeros(271, 8, 128, dtype=torch.bfloat16),
+                  torch.zeros(271, 8, 128, dtype=torch.bfloat16), torch.zeros(4, 8, 128, 128, dtype=pool_dtype),
+                  tokens=tokens)
 
 target = GPUTarget("cuda", 90, 32)
 for fn, signature, constexprs, options, attrs in launches.values():

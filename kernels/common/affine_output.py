@@ -12,6 +12,13 @@ it is that GEMM.
 
 ``correct_segment_outputs`` is the same correction for in-card segments (``segments``), where o0
 is already in ``out`` and q~ in a [T, HV, K] buffer, for every segment of a batch in one launch.
+``join_segments`` is what the one-pass segmented prefills call after their state pass: the
+composition (final states) and that correction, in one launch where no sequence has more than two
+segments (a second segment's S is its first segment's final state, so nothing waits on a chain):
+H200, graph replay, L2 flushed, the join alone, 32 heads in two 1024-token segments 34.1 -> 26.8 us,
+16 heads in two of 2048 28.6 -> 23.9, 32 heads in two of 16384 152.3 -> 146.0; in the whole prefill
+(32 heads, one sequence of 4096 to 32768 tokens) graph replay within 1% and the eager call one
+launch's host work shorter (1 x 8192: 357 -> 274-319 us) (2026-11-28).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import num_segment_ids, segment_span
+from .segments import compose_initial_states, compose_program, num_segment_ids, segment_span
 
 _BLOCK_TOKENS = 64
 _TILES_PER_PROGRAM = 8  # token tiles per program: S is loaded once for all of them
@@ -37,6 +44,10 @@ LONG_SEGMENT_TOKENS = 8192
 # Other q~ dtypes (tf32x3 products): three stages of float32 q~ tiles asked for 320 KB of shared
 # memory (an H200 refused the launch), so 64-row tiles and one stage
 FLOAT_SEGMENT_OUTPUT_LAUNCH = dict(BT=64, TILES=4, num_warps=4, num_stages=1)
+# ``join_segments``' one launch where sequences have at most two segments: the correction's tiles
+# (LONG_SEGMENT_TILES from LONG_SEGMENT_TOKENS), and a BV x BK block of the final state a program
+TWO_SEGMENT_JOIN_LAUNCH = dict(BT=64, TILES=2, num_warps=4, num_stages=2)
+TWO_SEGMENT_FINAL_BLOCK = dict(BV=32, BK=64)
 
 
 @triton.jit
@@ -106,17 +117,40 @@ def correct_outputs(widened: torch.Tensor, state: torch.Tensor, out: torch.Tenso
 
 
 @triton.jit
+def _correct_segment_rows(out, carried, S, bos, eos, group, s_ot, s_ct,
+                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TILES: tl.constexpr,
+                          SPLIT: tl.constexpr):
+    """out[t] += q~[t] S for the TILES x BT rows of token group ``group`` of a segment [bos, eos)
+    (``out`` and ``carried`` point at the value head, S float32 [K, V]). SPLIT (bf16 q~): S as two
+    bf16 parts, split once, two bf16 products a tile (16 bits of S's mantissa, where the output
+    keeps 8); else one tf32x3 product (float32 accuracy)."""
+    ks = tl.arange(0, K)
+    vs = tl.arange(0, V)
+    if SPLIT:
+        S_hi = S.to(tl.bfloat16)
+        S_lo = (S - S_hi.to(tl.float32)).to(tl.bfloat16)
+    rows = tl.arange(0, BT)
+    for i in range(TILES):
+        t = bos + (group * TILES + i) * BT + rows
+        keep = (t < eos)[:, None]
+        dst = out + t[:, None] * s_ot + vs[None, :]
+        o0 = tl.load(dst, mask=keep, other=0.0).to(tl.float32)
+        q = tl.load(carried + t[:, None] * s_ct + ks[None, :], mask=keep, other=0.0)
+        if SPLIT:
+            o = tl.dot(q, S_lo, tl.dot(q, S_hi, o0))
+        else:
+            o = _add_carried(o0, q, S, "tf32x3")
+        tl.store(dst, o.to(out.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def _segment_output_kernel(out, carried, initial, cu_seqlens, state_indices, num_seqs, tokens, groups,
                            s_ot, s_oh, s_ct, s_ch, s_in, s_ih, s_iv,
                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TILES: tl.constexpr,
                            SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Program (segment id x token group, value head): out[t] += q~[t] S for the TILES x BT tokens
-    of its group, where the segment continues a live sequence (S its composed initial state).
-    SPLIT (bf16 q~): S as two bf16 parts, split once per program, two bf16 products a tile
-    (16 bits of S's mantissa, where the output keeps 8); else one tf32x3 product (float32
-    accuracy)."""
+    of its group, where the segment continues a live sequence (S its composed initial state)."""
     sid = tl.program_id(0) // groups
-    group = tl.program_id(0) % groups
     hv = tl.program_id(1)
     live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, sid, tokens)
     if HAS_SLOTS:
@@ -125,21 +159,53 @@ def _segment_output_kernel(out, carried, initial, cu_seqlens, state_indices, num
         ks = tl.arange(0, K)
         vs = tl.arange(0, V)
         S = tl.load(initial + sid.to(tl.int64) * s_in + hv * s_ih + vs[None, :] * s_iv + ks[:, None])
-        if SPLIT:
-            S_hi = S.to(tl.bfloat16)
-            S_lo = (S - S_hi.to(tl.float32)).to(tl.bfloat16)
-        rows = tl.arange(0, BT)
-        for i in range(TILES):
-            t = bos + (group * TILES + i) * BT + rows
-            keep = (t < eos)[:, None]
-            dst = out + t[:, None] * s_ot + hv * s_oh + vs[None, :]
-            o0 = tl.load(dst, mask=keep, other=0.0).to(tl.float32)
-            q = tl.load(carried + t[:, None] * s_ct + hv * s_ch + ks[None, :], mask=keep, other=0.0)
-            if SPLIT:
-                o = tl.dot(q, S_lo, tl.dot(q, S_hi, o0))
-            else:
-                o = _add_carried(o0, q, S, "tf32x3")
-            tl.store(dst, o.to(out.dtype.element_ty), mask=keep)
+        _correct_segment_rows(out + hv * s_oh, carried + hv * s_ch, S, bos, eos, tl.program_id(0) % groups,
+                              s_ot, s_ct, K, V, BT, TILES, SPLIT)
+
+
+@triton.jit
+def _two_segment_join_kernel(out, carried, transitions, pool, cu_seqlens, state_indices, num_seqs, tokens, groups,
+                             s_ot, s_oh, s_ct, s_ch, s_tn, s_th, s_tv, s_ps, s_ph, s_pv,
+                             K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                             BT: tl.constexpr, TILES: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                             HAS_POOL: tl.constexpr):
+    """``join_segments`` where no sequence has more than two segments: no composition chain, so one
+    launch in which no program waits for another. Programs (segment id x token group, value head)
+    first: a second segment's correction with S = D_0, its first segment's final state
+    (transitions[sid - 1]); then (sequence x V tile x K block, value head): a block of the
+    sequence's final state X = D_0 A_1^T + D_1 (X = S^T, float32; BV x BK, so that A_1^T comes in
+    K x BK column blocks) into its slot of ``pool``."""
+    pid = tl.program_id(0)
+    hv = tl.program_id(1)
+    blocks: tl.constexpr = (V // BV) * (K // BK)
+    corrections = tl.num_programs(0) - num_seqs * blocks
+    if pid < corrections:
+        segment = pid // groups
+        live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, segment, tokens)
+        if HAS_SLOTS:
+            live = live & (tl.load(state_indices + n) >= 0)
+        if live & (first == 0):
+            ks = tl.arange(0, K)
+            vs = tl.arange(0, V)
+            S = tl.load(transitions + (segment - 1).to(tl.int64) * s_tn + hv * s_th + vs[None, :] * s_tv + ks[:, None])
+            _correct_segment_rows(out + hv * s_oh, carried + hv * s_ch, S, bos, eos, pid % groups,
+                                  s_ot, s_ct, K, V, BT, TILES, SPLIT)
+    elif HAS_POOL:
+        block = (pid - corrections) % blocks
+        n = (pid - corrections) // blocks
+        vo, ko, vmask, live, count, first_id = compose_program(cu_seqlens, state_indices, tokens, n,
+                                                               block // (K // BK), K, V, BV, HAS_SLOTS)
+        if live:
+            kc = block % (K // BK) * BK + tl.arange(0, BK)
+            D_0 = tl.load(transitions + first_id * s_tn + hv * s_th + vo[:, None] * s_tv + ko[None, :],
+                          mask=vmask, other=0.0)
+            second = transitions + (first_id + 1) * s_tn + hv * s_th
+            D_1 = tl.load(second + vo[:, None] * s_tv + kc[None, :], mask=vmask, other=0.0)
+            A_t = tl.load(second + (V + ko)[:, None] * s_tv + kc[None, :])  # [K, BK] of A_1^T
+            X = tl.dot(D_0, A_t, input_precision="tf32x3") + D_1
+            slot = tl.load(state_indices + n).to(tl.int64) if HAS_SLOTS else n.to(tl.int64)
+            tl.store(pool + slot * s_ps + hv * s_ph + vo[:, None] * s_pv + kc[None, :], X.to(pool.dtype.element_ty),
+                     mask=vmask)
 
 
 def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *, tokens: int) -> torch.Tensor:
@@ -170,3 +236,41 @@ def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *,
         SPLIT=split, HAS_SLOTS=state_indices is not None, num_warps=launch["num_warps"],
         num_stages=launch["num_stages"])
     return out
+
+
+def join_segments(cu_seqlens, state_indices, transitions, carried, out, pool, *, tokens: int) -> None:
+    """After a one-pass segmented state pass (the CuTe DSL GDN and KDA prefills): each segmented
+    sequence's final state into its slot of ``pool`` and q~ S added to the outputs of the segments
+    that continue a sequence. Where no sequence can have more than two segments (T <= 2 tokens,
+    from shapes alone) in one launch (``_two_segment_join_kernel``), else in two
+    (``segments.compose_initial_states`` with ``final_pool``, then ``correct_segment_outputs``).
+
+    cu_seqlens: int32 [N + 1]; state_indices: int32 [N] or None (negative: padding, skipped);
+    transitions: float32 [S, HV, V + K, K], each segment's final value rows D_j^T, then map rows
+    A_j^T (S = ``segments.num_segment_ids``); carried: [T, HV, K] the map rows' outputs q~; out:
+    [T, HV, V] holding o0, corrected in place; pool: [P, HV, V, K] float32 / bf16, K-last, or None.
+    """
+    T, HV, V = out.shape
+    K = carried.shape[-1]
+    N = cu_seqlens.shape[0] - 1
+    if T > 2 * tokens:
+        initial = torch.empty(transitions.shape[0], HV, V, K, dtype=torch.float32, device=out.device)
+        compose_initial_states(cu_seqlens, state_indices, transitions, initial, tokens=tokens, V=V, final_pool=pool)
+        correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, tokens=tokens)
+        return
+    split = carried.dtype == torch.bfloat16
+    launch = TWO_SEGMENT_JOIN_LAUNCH if split else FLOAT_SEGMENT_OUTPUT_LAUNCH
+    if split and tokens >= LONG_SEGMENT_TOKENS:
+        launch = {**launch, "TILES": LONG_SEGMENT_TILES}
+    groups = triton.cdiv(tokens, launch["BT"] * launch["TILES"])
+    BV, BK = TWO_SEGMENT_FINAL_BLOCK["BV"], TWO_SEGMENT_FINAL_BLOCK["BK"]
+    has_pool = pool is not None
+    _two_segment_join_kernel[(num_segment_ids(T, N, tokens) * groups + N * (V // BV) * (K // BK), HV)](
+        out, carried, transitions, pool if has_pool else transitions, cu_seqlens,
+        state_indices if state_indices is not None else cu_seqlens, N, tokens, groups,
+        out.stride(0), out.stride(1), carried.stride(0), carried.stride(1),
+        transitions.stride(0), transitions.stride(1), transitions.stride(2),
+        *(pool.stride()[:3] if has_pool else (0, 0, 0)),
+        K=K, V=V, BV=BV, BK=BK, BT=launch["BT"], TILES=launch["TILES"], SPLIT=split,
+        HAS_SLOTS=state_indices is not None, HAS_POOL=has_pool, num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"])

@@ -32,10 +32,10 @@ unsegmented pass would leave SMs idle, which ``segment_tokens`` decides from sha
 
 The CuTe DSL GDN and KDA prefills (``kernels/delta_rule/chunk_cute.py``) need no third launch:
 their one state pass computes every segment's transition and outputs together, from zeros (value
-rows) and the identity (map rows, whose outputs are the carried queries q~); composition then
-also writes the final states (``final_pool``) and ``affine_output.correct_segment_outputs`` adds
-q~ S to the outputs of the segments that continue a sequence. ``one_pass_segment_tokens`` is
-their rule.
+rows) and the identity (map rows, whose outputs are the carried queries q~); then
+``affine_output.join_segments`` writes the final states (composition with ``final_pool``) and adds
+q~ S to the outputs of the segments that continue a sequence (in one launch where no sequence has
+more than two segments). ``one_pass_segment_tokens`` is their rule.
 
 Segments are ``segment_tokens`` long (a multiple of the chunk size, so chunk boundaries and
 checkpoints fall where they fall without segments), the last one of a sequence shorter; an empty
@@ -215,14 +215,13 @@ def program_span(cu_seqlens, state_indices, num_seqs, pid, tokens, out, s_ot, vm
 
 
 @triton.jit
-def _compose_program(cu_seqlens, state_indices, tokens, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                     HAS_SLOTS: tl.constexpr):
-    """A composition program's (sequence n, value head, V rows, K columns, row mask) and its
-    sequence's (live, count, sid): whether it has segments to compose (more than one, and a slot
-    when there are slots), how many, and its first segment's id (the segments of the sequences
-    before it)."""
-    n = tl.program_id(0)
-    vo = tl.program_id(2) * BV + tl.arange(0, BV)
+def compose_program(cu_seqlens, state_indices, tokens, n, tile, K: tl.constexpr, V: tl.constexpr,
+                    BV: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """A composition program's (V rows, K columns, row mask) for sequence n and V tile ``tile``, and
+    its sequence's (live, count, sid): whether it has segments to compose (more than one, and a
+    slot when there are slots), how many, and its first segment's id (the segments of the
+    sequences before it)."""
+    vo = tile * BV + tl.arange(0, BV)
     length = tl.load(cu_seqlens + n + 1) - tl.load(cu_seqlens + n)
     count = (length + tokens - 1) // tokens
     live = count > 1
@@ -232,7 +231,7 @@ def _compose_program(cu_seqlens, state_indices, tokens, K: tl.constexpr, V: tl.c
     for n0 in range(0, n, SEQ_BLOCK):
         before, counts = piece_counts(cu_seqlens, n0, n, tokens, True)
         sid += tl.sum(counts, 0)
-    return n, tl.program_id(1), vo, tl.arange(0, K), (vo < V)[:, None], live, count, sid.to(tl.int64)
+    return vo, tl.arange(0, K), (vo < V)[:, None], live, count, sid.to(tl.int64)
 
 
 @triton.jit
@@ -243,7 +242,9 @@ def _compose_kernel(cu_seqlens, state_indices, transitions, initial, tokens, poo
     """The delta rule's composition, one (sequence, value head, V tile): X_{j+1} = X_j A_j^T +
     D_j^T over the sequence's segments (module docstring), rows vo of X = S^T, float32. FINAL:
     the last segment's transition too, X_count, into the sequence's slot of ``pool``."""
-    n, hv, vo, ko, vmask, live, count, sid = _compose_program(cu_seqlens, state_indices, tokens, K, V, BV, HAS_SLOTS)
+    n, hv = tl.program_id(0), tl.program_id(1)
+    vo, ko, vmask, live, count, sid = compose_program(cu_seqlens, state_indices, tokens, n, tl.program_id(2),
+                                                      K, V, BV, HAS_SLOTS)
     if live:
         transitions += hv * s_th
         initial += hv * s_ih
@@ -288,7 +289,9 @@ def _scalar_compose_kernel(cu_seqlens, state_indices, transitions, initial, deca
     them load together before four steps use them: the chain waits on memory once per four
     segments instead of once per segment (a loop of single steps took 29 us for the 16 segments of
     a TP4 shard, 16 heads 1 x 8192, on an H200)."""
-    n, hv, vo, ko, vmask, live, count, sid = _compose_program(cu_seqlens, state_indices, tokens, K, V, BV, HAS_SLOTS)
+    hv = tl.program_id(1)
+    vo, ko, vmask, live, count, sid = compose_program(cu_seqlens, state_indices, tokens, tl.program_id(0),
+                                                      tl.program_id(2), K, V, BV, HAS_SLOTS)
     if live:
         rows = vo[:, None] * s_tv + ko[None, :]
         out_rows = vo[:, None] * s_iv + ko[None, :]

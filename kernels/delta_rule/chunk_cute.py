@@ -112,9 +112,9 @@ side by side, in one state pass (the Triton kernel recomputes its segments in a 
   state D), and its K map rows, the state widened as ``map_columns`` does: rows that start as
   the identity and see zero values, whose outputs are the carried queries q~ and whose final
   state is the segment's map A^T;
-- ``segments.compose_initial_states`` then chains S_{j+1} = S_j A_j + D_j into each segment's
-  initial state and the sequence's final state (into the pool), and
-  ``affine_output.correct_segment_outputs`` adds q~ S_j to the later segments' outputs.
+- ``affine_output.join_segments`` then chains S_{j+1} = S_j A_j + D_j into each segment's
+  initial state and the sequence's final state (into the pool), and adds q~ S_j to the later
+  segments' outputs (one launch where no sequence has more than two segments, else two).
 A sequence cut in s segments takes 2 s - 1 CTAs per head. H200, device time: a TP4 shard, 1 x 8192
 in eight segments, kernel 91 us (profiler), composition 26 and correction 30 (graph replay, L2
 flushed; 62 and 60 before their launches were retuned); 1 x 32768 in two, kernel 1246 us,
@@ -155,7 +155,7 @@ sequence 5.564 (segments) / 6.799, which dispatch gave to Triton.
 Relative error 3.3e-3 to 3.4e-3 against the torch reference (Triton 3.0e-3, FLA 4.8e-3).
 Long sequences run in segments as GDN's do (``_state_math`` is the same chain; the intra-chunk
 kernels do not care where a segment starts, chunk boundaries do not move): a segment's value rows
-and K map rows on two CTAs, then ``_join_segments``. H200, graph replay, ns per token-head, whole
+and K map rows on two CTAs, then ``join_segments``. H200, graph replay, ns per token-head, whole
 / in segments (Triton's prefill): a TP4 shard of 8 heads on one 8192-token sequence 6.503 /
 3.493 (5.382) in segments of 1024, 1 x 32768 at 32 heads 2.714 / 2.382 (3.766) in two.
 No fused intra-chunk stage yet: see BENCHMARKS.md.
@@ -178,7 +178,7 @@ from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, block_segment, bloc
                                    row_inv_norms, store_state, tensor_views, transposed,
                                    unsupported as unsupported_rows, zero_rows)
 from ..common import segments
-from ..common.affine_output import correct_segment_outputs
+from ..common.affine_output import join_segments
 from ..common.prep import Recipe
 from .chunk_triton import kda_chunk_operands
 from .solve_cute import kda_solve
@@ -1204,7 +1204,7 @@ def gdn_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
                    ("BETA_LOGITS", recipe.beta_logits), ("SEGMENTED", bool(tokens)))
     launch(_launch, _POINTERS, tensors, (*scalars, tokens), constexprs, q.device)
     if tokens:
-        _join_segments(cu_seqlens, state_indices, transitions, q_carried, out, state_pool, tokens)
+        join_segments(cu_seqlens, state_indices, transitions, q_carried, out, state_pool, tokens=tokens)
     return out
 
 
@@ -1217,17 +1217,6 @@ def _segment_buffers(T: int, N: int, HV: int, tokens: int, device) -> tuple:
     num_ids = segments.num_segment_ids(T, N, tokens)
     return (torch.empty(num_ids, HV, 2 * HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device),
             torch.empty(T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device))
-
-
-def _join_segments(cu_seqlens, state_indices, transitions, q_carried, out, state_pool, tokens: int):
-    """In-card context parallelism (kernels/common/segments.py) after a one-pass segmented state pass:
-    the composed initial states of the segments that continue a sequence, its final state into the
-    pool, and their outputs' correction o0 + q~ S."""
-    initial = torch.empty(transitions.shape[0], transitions.shape[1], HEAD_DIM, HEAD_DIM, dtype=torch.float32,
-                          device=transitions.device)
-    segments.compose_initial_states(cu_seqlens, state_indices, transitions, initial, tokens=tokens, V=HEAD_DIM,
-                                    final_pool=state_pool)
-    correct_segment_outputs(cu_seqlens, state_indices, q_carried, initial, out, tokens=tokens)
 
 
 _KDA_POINTERS = ("Qd", "Ke", "Kd", "P", "T", "v", "out", "pool", "G", "beta", "cu_seqlens", "state_indices",
@@ -1275,5 +1264,5 @@ def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
     constexprs += (("BETA_STRIDES", beta.stride()), ("BETA_LOGITS", recipe.beta_logits), ("SEGMENTED", bool(tokens)))
     launch(_kda_launch, _KDA_POINTERS, tensors, (*scalars, tokens), constexprs, q.device)
     if tokens:
-        _join_segments(cu_seqlens, state_indices, transitions, q_carried, out, state_pool, tokens)
+        join_segments(cu_seqlens, state_indices, transitions, q_carried, out, state_pool, tokens=tokens)
     return out

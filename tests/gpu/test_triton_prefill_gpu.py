@@ -279,6 +279,37 @@ def test_segment_output_correction(dtype, tokens):
     assert_close(out.double(), expected, tolerance(dtype, torch.float32))
 
 
+@pytest.mark.parametrize("tokens", [1024, 8192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_two_segment_join(dtype, tokens):
+    """``join_segments`` in its one launch (no sequence longer than two segments: the final states
+    D_0 A_1^T + D_1 and the second segments' correction with S = D_0) against float64: a sequence
+    in two segments, a padding one, a short one in one segment; a bf16
+    pool NaN-poisoned outside the written slot; both q~ dtypes and both tilings of the correction."""
+    from cula_serve.kernels.common.affine_output import join_segments
+    from cula_serve.kernels.common.segments import num_segment_ids
+
+    HV, K = 32, 128
+    lens, slots = [2 * tokens - 300, 200, 100], [4, -1, 2]
+    T = sum(lens)
+    cu_seqlens = torch.tensor([0, lens[0], lens[0] + lens[1], T], dtype=torch.int32, device=DEVICE)
+    state_indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    generator = torch.Generator(DEVICE).manual_seed(5)
+    transitions = torch.randn(num_segment_ids(T, len(lens), tokens), HV, 2 * K, K, generator=generator, device=DEVICE)
+    transitions[:, :, K:] /= 2 * K ** 0.5  # maps of norm about 1/2
+    carried = torch.randn(T, HV, K, generator=generator, device=DEVICE).to(dtype)
+    out = torch.randn(T, HV, K, generator=generator, device=DEVICE).to(dtype)
+    pool = torch.full((6, HV, K, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    expected = out.double()
+    rows = slice(tokens, lens[0])  # the first sequence's second segment (segment ids 0 and 1)
+    expected[rows] += torch.einsum("thk,hvk->thv", carried[rows].double(), transitions[0, :, :K].double())
+    final = transitions[0, :, :K].double() @ transitions[1, :, K:].double() + transitions[1, :, :K].double()
+    join_segments(cu_seqlens, state_indices, transitions, carried, out, pool, tokens=tokens)
+    assert_close(out.double(), expected, tolerance(dtype, torch.float32))
+    assert_close(pool[4].double(), final, tolerance(torch.bfloat16, torch.bfloat16), "final state")
+    assert torch.isnan(pool[torch.arange(6, device=DEVICE) != 4]).all()
+
+
 def test_rows_past_2_31_elements():
     """Offsets of a packed batch past 2^31 elements: 64-bit (``assert_rows_past_2_31_elements``)."""
     assert_rows_past_2_31_elements(TRITON)
