@@ -528,10 +528,15 @@ def test_one_pass_segments_join(state_dtype, out_dtype, lens, slots, has_init, t
     for name in ("SEGMENT_OUTPUT_LAUNCH", "FLOAT_SEGMENT_OUTPUT_LAUNCH", "TWO_SEGMENT_JOIN_LAUNCH"):
         monkeypatch.setattr(affine_output, name, dict(getattr(affine_output, name), BT=16, TILES=2))
     monkeypatch.setattr(affine_output, "TWO_SEGMENT_FINAL_BLOCK", dict(BV=16, BK=16))
+    out_without_pool = out.clone()
     affine_output.join_segments(cu, call["state_indices"], transitions, carried, out, pool, tokens=tokens)
     tol = tolerance(out_dtype, state_dtype)
     assert_close(out, ref_o, tol)
     assert_same_writes(pool, ref_pool, tol)
+    # without a pool (no final states kept) the outputs are the same
+    affine_output.join_segments(cu, call["state_indices"], transitions, carried, out_without_pool, None,
+                                tokens=tokens)
+    assert torch.equal(out_without_pool, out)
 
 
 @pytest.mark.parametrize("mode", MODES)
