@@ -241,7 +241,7 @@ def correct_segment_outputs(cu_seqlens, state_indices, carried, initial, out, *,
 def join_segments(cu_seqlens, state_indices, transitions, carried, out, pool, *, tokens: int) -> None:
     """After a one-pass segmented state pass (the CuTe DSL GDN and KDA prefills): each segmented
     sequence's final state into its slot of ``pool`` and q~ S added to the outputs of the segments
-    that continue a sequence. Where no sequence can have more than two segments (T <= 2 tokens,
+    that continue a sequence. Where no sequence can have more than two segments (T <= 2 x tokens,
     from shapes alone) in one launch (``_two_segment_join_kernel``), else in two
     (``segments.compose_initial_states`` with ``final_pool``, then ``correct_segment_outputs``).
 
