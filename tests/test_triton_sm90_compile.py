@@ -6,9 +6,9 @@ A fresh process without ``TRITON_INTERPRET`` runs the Level-1 API on CPU tensors
 launches recorded instead of run (prefill of GDN, KDA and Lightning with bf16 and float32
 inputs, checkpoints and segments; KDA's operands for the cute backend's state pass and the
 Triton launches of its segments' join; decode; verify in the three protocols, with a pending
-commit, and commit), then compiles each distinct
-launch (82: about 85 s on one core) for sm_90 with its arguments' types, constexprs, options and
-the JIT's divisibility hints (pointers 16-byte aligned, integers that are multiples of 16).
+commit, and commit), then compiles each distinct launch (82: about 85 s on one core) for sm_90
+with its arguments' types, constexprs, options and the JIT's divisibility hints (pointers 16-byte
+aligned, integers that are multiples of 16).
 
 The tensor-core verifies (``verify_wy_triton``, ``verify_chunk_triton``) are held to one more
 thing there: no state tile staged in unswizzled shared memory and read into the tensor cores'

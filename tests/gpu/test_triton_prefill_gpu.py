@@ -284,8 +284,8 @@ def test_segment_output_correction(dtype, tokens):
 def test_two_segment_join(dtype, tokens):
     """``join_segments`` in its one launch (no sequence longer than two segments: the final states
     D_0 A_1^T + D_1 and the second segments' correction with S = D_0) against float64: a sequence
-    in two segments, a padding one, a short one in one segment; a bf16
-    pool NaN-poisoned outside the written slot; both q~ dtypes and both tilings of the correction."""
+    in two segments, a padding one, a short one in one segment; a bf16 pool NaN-poisoned outside
+    the written slot; both q~ dtypes and both tilings of the correction."""
     from cula_serve.kernels.common.affine_output import join_segments
     from cula_serve.kernels.common.segments import num_segment_ids
 
