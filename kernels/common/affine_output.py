@@ -117,30 +117,38 @@ def correct_outputs(widened: torch.Tensor, state: torch.Tensor, out: torch.Tenso
 
 
 @triton.jit
-def _correct_segment_rows(out, carried, S, bos, eos, group, s_ot, s_ct,
-                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TILES: tl.constexpr,
-                          SPLIT: tl.constexpr):
-    """out[t] += q~[t] S for the TILES x BT rows of token group ``group`` of a segment [bos, eos)
-    (``out`` and ``carried`` point at the value head, S float32 [K, V]). SPLIT (bf16 q~): S as two
-    bf16 parts, split once, two bf16 products a tile (16 bits of S's mantissa, where the output
-    keeps 8); else one tf32x3 product (float32 accuracy)."""
-    ks = tl.arange(0, K)
-    vs = tl.arange(0, V)
-    if SPLIT:
-        S_hi = S.to(tl.bfloat16)
-        S_lo = (S - S_hi.to(tl.float32)).to(tl.bfloat16)
-    rows = tl.arange(0, BT)
-    for i in range(TILES):
-        t = bos + (group * TILES + i) * BT + rows
-        keep = (t < eos)[:, None]
-        dst = out + t[:, None] * s_ot + vs[None, :]
-        o0 = tl.load(dst, mask=keep, other=0.0).to(tl.float32)
-        q = tl.load(carried + t[:, None] * s_ct + ks[None, :], mask=keep, other=0.0)
+def _correct_segment(out, carried, states, sid, group, hv, cu_seqlens, state_indices, num_seqs, tokens,
+                     s_ot, s_oh, s_ct, s_ch, s_sn, s_sh, s_sv,
+                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TILES: tl.constexpr,
+                     SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, PREVIOUS: tl.constexpr):
+    """out[t] += q~[t] S for the TILES x BT tokens of token group ``group`` of segment ``sid`` at
+    value head ``hv``, where the segment continues a live sequence. S [K, V] float32 is read K-last
+    from ``states``: states[sid] (its composed initial state) or, PREVIOUS, states[sid - 1] (the
+    previous segment's final state, rows [:V] of its transitions). SPLIT (bf16 q~): S as two bf16
+    parts, split once, two bf16 products a tile (16 bits of S's mantissa, where the output keeps 8);
+    else one tf32x3 product (float32 accuracy)."""
+    live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, sid, tokens)
+    if HAS_SLOTS:
+        live = live & (tl.load(state_indices + n) >= 0)
+    if live & (first == 0):
+        ks = tl.arange(0, K)
+        vs = tl.arange(0, V)
+        S = tl.load(states + (sid - PREVIOUS).to(tl.int64) * s_sn + hv * s_sh + vs[None, :] * s_sv + ks[:, None])
         if SPLIT:
-            o = tl.dot(q, S_lo, tl.dot(q, S_hi, o0))
-        else:
-            o = _add_carried(o0, q, S, "tf32x3")
-        tl.store(dst, o.to(out.dtype.element_ty), mask=keep)
+            S_hi = S.to(tl.bfloat16)
+            S_lo = (S - S_hi.to(tl.float32)).to(tl.bfloat16)
+        rows = tl.arange(0, BT)
+        for i in range(TILES):
+            t = bos + (group * TILES + i) * BT + rows
+            keep = (t < eos)[:, None]
+            dst = out + t[:, None] * s_ot + hv * s_oh + vs[None, :]
+            o0 = tl.load(dst, mask=keep, other=0.0).to(tl.float32)
+            q = tl.load(carried + t[:, None] * s_ct + hv * s_ch + ks[None, :], mask=keep, other=0.0)
+            if SPLIT:
+                o = tl.dot(q, S_lo, tl.dot(q, S_hi, o0))
+            else:
+                o = _add_carried(o0, q, S, "tf32x3")
+            tl.store(dst, o.to(out.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -148,19 +156,11 @@ def _segment_output_kernel(out, carried, initial, cu_seqlens, state_indices, num
                            s_ot, s_oh, s_ct, s_ch, s_in, s_ih, s_iv,
                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TILES: tl.constexpr,
                            SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """Program (segment id x token group, value head): out[t] += q~[t] S for the TILES x BT tokens
-    of its group, where the segment continues a live sequence (S its composed initial state)."""
-    sid = tl.program_id(0) // groups
-    hv = tl.program_id(1)
-    live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, sid, tokens)
-    if HAS_SLOTS:
-        live = live & (tl.load(state_indices + n) >= 0)
-    if live & (first == 0):
-        ks = tl.arange(0, K)
-        vs = tl.arange(0, V)
-        S = tl.load(initial + sid.to(tl.int64) * s_in + hv * s_ih + vs[None, :] * s_iv + ks[:, None])
-        _correct_segment_rows(out + hv * s_oh, carried + hv * s_ch, S, bos, eos, tl.program_id(0) % groups,
-                              s_ot, s_ct, K, V, BT, TILES, SPLIT)
+    """Program (segment id x token group, value head): ``_correct_segment`` with S the segment's
+    composed initial state."""
+    _correct_segment(out, carried, initial, tl.program_id(0) // groups, tl.program_id(0) % groups, tl.program_id(1),
+                     cu_seqlens, state_indices, num_seqs, tokens, s_ot, s_oh, s_ct, s_ch, s_in, s_ih, s_iv,
+                     K, V, BT, TILES, SPLIT, HAS_SLOTS, 0)
 
 
 @triton.jit
@@ -180,16 +180,9 @@ def _two_segment_join_kernel(out, carried, transitions, pool, cu_seqlens, state_
     blocks: tl.constexpr = (V // BV) * (K // BK)
     corrections = tl.num_programs(0) - num_seqs * blocks
     if pid < corrections:
-        segment = pid // groups
-        live, n, seq_bos, bos, eos, first, last = segment_span(cu_seqlens, num_seqs, segment, tokens)
-        if HAS_SLOTS:
-            live = live & (tl.load(state_indices + n) >= 0)
-        if live & (first == 0):
-            ks = tl.arange(0, K)
-            vs = tl.arange(0, V)
-            S = tl.load(transitions + (segment - 1).to(tl.int64) * s_tn + hv * s_th + vs[None, :] * s_tv + ks[:, None])
-            _correct_segment_rows(out + hv * s_oh, carried + hv * s_ch, S, bos, eos, pid % groups,
-                                  s_ot, s_ct, K, V, BT, TILES, SPLIT)
+        _correct_segment(out, carried, transitions, pid // groups, pid % groups, hv, cu_seqlens, state_indices,
+                         num_seqs, tokens, s_ot, s_oh, s_ct, s_ch, s_tn, s_th, s_tv, K, V, BT, TILES, SPLIT,
+                         HAS_SLOTS, 1)
     elif HAS_POOL:
         block = (pid - corrections) % blocks
         n = (pid - corrections) // blocks
