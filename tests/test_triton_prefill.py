@@ -586,15 +586,19 @@ def test_segment_rule_follows_the_shapes():
 
 
 def test_one_pass_segment_rule():
-    """The CuTe DSL GDN prefill's segments: 2 s - 1 CTAs per head in one wave of 132 SMs, only
-    where the longest CTA gets 2048 tokens shorter, never with checkpoints (asked for: an error
-    naming ``segment_tokens``)."""
+    """The CuTe DSL GDN prefill's segments: 2 s - 1 CTAs per head in one wave of 132 SMs, each of
+    512 tokens or more, only where the longest CTA gets 512 tokens shorter, never with checkpoints
+    (asked for: an error naming ``segment_tokens``)."""
     from cula_serve.kernels.common.segments import one_pass_segment_tokens as rule
 
     assert rule(4 * 8192, 4, 32, 132) == 0  # 128 CTAs already
     assert rule(32768, 1, 32, 132) == 16384  # 2 segments: 96 CTAs
     assert rule(8192, 1, 8, 132) == 1024  # TP4 shard: 8 segments, 120 CTAs
-    assert rule(2048, 1, 32, 132) == 0  # 2 x 1024 would save too little for its host work
+    assert rule(2048, 1, 32, 132) == 1024  # 2 segments: 96 CTAs
+    assert rule(2048, 2, 32, 132) == 0  # 64 CTAs: 2 segments each would take two waves
+    assert rule(2048, 1, 8, 132) == 512  # 8 segments would be 256 tokens: 4 of 512
+    assert rule(1024, 1, 8, 132) == 512
+    assert rule(512, 1, 8, 132) == 0  # one segment of the least length
     assert rule(32768, 1, 32, 132, checkpoints=True) == 0
     assert rule(32768, 1, 32, 0) == 0  # not a GPU
     assert rule(2048, 1, 32, 132, requested=128) == 128

@@ -42,9 +42,9 @@ checkpoints fall where they fall without segments), the last one of a sequence s
 sequence has one empty segment, whose program writes its slot as an unsegmented one would. Segment
 ids follow the packed order (sequence 0's segments first); every program finds its own from
 ``cu_seqlens`` (``segment_span``), so the grid is sized by the bound T // segment_tokens + N and
-no table is built on the host or in an extra launch. Host work matters: on an H200 a segmented
-GDN 1 x 2048 took the same device time as the unsegmented one (0.27 ms) and about twice its
-eager time.
+no table is built on the host or in an extra launch. Host work matters to the three-launch scheme
+(an H100's segmented GDN 1 x 2048 took the same device time as the unsegmented one, 0.27 ms, and
+about twice its eager time); the one-pass scheme adds one launch, or two past two segments.
 """
 from __future__ import annotations
 
@@ -108,11 +108,17 @@ def segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, V: int, num_s
     return tokens if long_enough else 0
 
 
-# The one-pass scheme (the CuTe DSL GDN and KDA prefills, module docstring) cuts a batch only where its
-# longest CTA gets this many tokens shorter: 32 chunks, about 260 us of an H100, against the host
-# work of the two more launches (H100, eager, 32 heads: 1 x 2048 in two segments 0.686 ms against
-# 0.272 unsegmented; a TP4 shard of 8 heads, 1 x 8192 in eight, 0.503 against 0.97)
-ONE_PASS_MIN_SAVED_TOKENS = 2048
+# The one-pass scheme (the CuTe DSL GDN and KDA prefills, module docstring) cuts a batch where its
+# longest CTA gets this many tokens shorter, in segments of at least ONE_PASS_MIN_SEGMENT_TOKENS
+# (each later segment costs a CTA of map rows and its share of the join). The rule minimises device
+# time (what a CUDA graph replays, and what an eager prefill waits for once the host runs ahead);
+# the eager call's host work grows by the join's launch. H200, graph replay, 32 GDN heads, us,
+# unsegmented against the rule: 1 x 1024 60.8 / 58.5, 1 x 2048 106.2 / 87.7, 1 x 3072 151.6 / 118.0;
+# a TP4 shard of 8 heads 1 x 1024 59.1 / 47.5, 1 x 2048 104.7 / 61.2 (segments of 256: 61.3); 16
+# heads 1 x 2048 105.2 / 69.7; KDA 8 heads 1 x 2048 127.8 / 96.5 (256: 101.7), 32 heads 1 x 2048
+# 205.5 / 196.2, 1 x 1024 115.6 / 119.4 (its one loss).
+ONE_PASS_MIN_SAVED_TOKENS = 512
+ONE_PASS_MIN_SEGMENT_TOKENS = 512
 
 
 def one_pass_segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, num_sms: int, *,
@@ -124,8 +130,9 @@ def one_pass_segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, num_
     not with checkpoints, which the one-pass segments do not write). The rule: one CTA per
     (sequence, value head) runs a chunk in about the same time wherever it is, so a batch that
     leaves SMs idle is cut into s segments per sequence, 2 s - 1 CTAs per head (a segment that
-    continues a sequence also runs its K map rows), as many as fit in one wave (s >= 2), where
-    that shortens the mean sequence's path by ONE_PASS_MIN_SAVED_TOKENS or more."""
+    continues a sequence also runs its K map rows), as many as fit in one wave (s >= 2), each at
+    least ONE_PASS_MIN_SEGMENT_TOKENS long, where that shortens the mean sequence's path by
+    ONE_PASS_MIN_SAVED_TOKENS or more."""
     if requested is not None:
         tokens = requested_segment_tokens(requested)
         if tokens and checkpoints:
@@ -135,7 +142,8 @@ def one_pass_segment_tokens(num_tokens: int, num_seqs: int, num_heads: int, num_
     if checkpoints or not num_sms or not num_seqs:
         return 0
     pieces = (num_sms // (num_seqs * num_heads) + 1) // 2
-    tokens = triton.cdiv(num_tokens, num_seqs * max(pieces, 1) * CHUNK_SIZE) * CHUNK_SIZE
+    tokens = max(triton.cdiv(num_tokens, num_seqs * max(pieces, 1) * CHUNK_SIZE) * CHUNK_SIZE,
+                 ONE_PASS_MIN_SEGMENT_TOKENS)
     saved = num_tokens / num_seqs - tokens
     return tokens if pieces >= 2 and saved >= ONE_PASS_MIN_SAVED_TOKENS else 0
 
