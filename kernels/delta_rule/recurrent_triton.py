@@ -90,6 +90,13 @@ OP_DECODE, OP_BUFFER, OP_SLOTS, OP_DEFERRED, OP_COMMIT = (tl.constexpr(code) for
 
 L2NORM_EPS = tl.constexpr(1e-6)
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's F.softplus default: x above it is returned as is
+# ``copy_committed_states``' programs: one warp copying 1024 elements of a state. Many small
+# programs beat fewer large ones (H200, 32 heads of 128 x 128, permuted slots, us per layer of a
+# graph of 4-16, L2 flushed, slots / buffer; 4096 elements on 8 warps before): bfloat16 B = 64
+# 36.9 -> 36.2 / 36.7 -> 35.7, B = 256 140.2 -> 137.0 / 140.1 -> 135.6; float32 B = 64 71.0 -> 69.1 /
+# 71.5 -> 68.8 (copy ceilings 34-35, 129-134, 65-70). 512 elements lost at bfloat16 (42.0 at B = 64).
+COMMIT_COPY_BLOCK = 1024
+COMMIT_COPY_WARPS = 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -738,11 +745,11 @@ def copy_committed_states(protocol, *, state_pool, state_indices, num_accepted_t
         num_columns, stride_idx_t = state_indices.shape[1], state_indices.stride(1)
     else:
         raise ValueError(f"protocol: a copy commit is 'buffer' or 'slots', got {protocol!r}")
-    block = min(4096, triton.next_power_of_2(slot_size))
+    block = min(COMMIT_COPY_BLOCK, triton.next_power_of_2(slot_size))
     with device_guard(state_pool.device):
         _copy_committed_state_kernel[(triton.cdiv(slot_size, block), N)](
             state_pool, source, state_indices, num_accepted_tokens,
             intermediate_indices if protocol == "buffer" else None,
             state_pool.stride(0), stride_0, stride_1, state_indices.stride(0), stride_idx_t, num_columns,
-            SLOT_SIZE=slot_size, BLOCK=block, FROM_BUFFER=protocol == "buffer", num_warps=8,
+            SLOT_SIZE=slot_size, BLOCK=block, FROM_BUFFER=protocol == "buffer", num_warps=COMMIT_COPY_WARPS,
         )
