@@ -33,3 +33,18 @@ constexprs = (("STRIDES", (HV * D, D, HV * D, D, HV * D, D, HV * D, D, HV * D * 
               ("BETA_STRIDES", (HV, 1)), ("BETA_LOGITS", True), ("SEGMENTED", SEGMENTED))
 launch = cute_prefill._compiled(chunk_cute._kda_launch, chunk_cute._KDA_POINTERS, dtypes, constexprs, 1)
 """
+
+KDA_INTRA = """
+import torch
+from cula_serve.kernels.common import cute_prefill
+from cula_serve.kernels.delta_rule import intra_cute, recurrent_cute
+
+f32, f16, bf16, i32, i8 = torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int8
+H, HV, D = 32, 32, 128
+# q, k, g, beta, A_log, dt_bias, cu_seqlens, table, state_indices, P, N, Qd, Ke, Kd, G, marks
+dtypes = (bf16, bf16, f32, f32, f32, f32, i32, i32, i32, bf16, f32, bf16, bf16, f16, f32, i8)
+constexprs = (("STRIDES", ((H * D, D, 1), (H * D, D, 1), (HV * D, D, 1), (HV, 1))), ("H", H), ("HV", HV),
+              ("QK_L2NORM", True), ("GATE", recurrent_cute.GATE_SOFTPLUS), ("HAS_DT_BIAS", True),
+              ("LOWER_BOUND", 0.0), ("BETA_LOGITS", True), ("HAS_SLOTS", True))
+launch = cute_prefill._compiled(intra_cute._launch, intra_cute._POINTERS, dtypes, constexprs, 1)
+"""

@@ -349,66 +349,6 @@ def test_chunk_indices(generator):
     assert (table[len(expected):] == -1).all()
 
 
-class _NanWorkspaces:
-    """``torch`` as ``chunk_triton`` sees it, with every ``empty`` tensor filled with NaN (integer
-    ones with -1): rows the kernels must write show where they did not."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*shape, **options):
-        dtype = options.get("dtype", torch.get_default_dtype())
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, **options)
-
-
-def test_kda_chunk_operands(generator, monkeypatch):
-    """The per-chunk operands KDA's CuTe DSL state pass reads (``chunk_triton.kda_chunk_operands``),
-    against float64 from the chunked form's definitions (``chunk_torch``), chunk by chunk: P and
-    M^-1 as whole rows (zeros above the diagonal blocks' lower parts), the decayed Q, K tiles and G.
-    A varlen batch with a padding row (never written) and a chunk tail; NaN workspaces."""
-    from cula_serve.api import _recipe
-
-    monkeypatch.setattr(chunk_triton, "torch", _NanWorkspaces())
-
-    lens, slots = [70, 5, 64], [1, -1, 0]
-    HV, K = GVA["HV"], GVA["K"]
-    kw = random_inputs("kda", (sum(lens),), **GVA, dtype=torch.bfloat16, generator=generator)
-    gate = {name: kw.get(name) for name in ("A_log", "dt_bias")}
-    recipe, g, beta = _recipe("kda", (sum(lens),), HV, K, device=torch.device("cpu"), g=kw["g"], beta=kw["beta"],
-                              decay=None, scale=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                              lower_bound=None, use_beta_sigmoid_in_kernel=True, **gate)
-    ops = chunk_triton.kda_chunk_operands(recipe, kw["q"], kw["k"], g, beta, cu_seqlens=_cu(lens),
-                                          state_indices=torch.tensor(slots, dtype=torch.int32))
-    q, k, g64, b64 = recipe.prepare(*(x.double() for x in (kw["q"], kw["k"], g, beta)), torch.float64)
-    q, k = (x.repeat_interleave(HV // x.shape[1], dim=1) for x in (q, k))
-    bos = 0
-    for length, slot in zip(lens, slots):
-        for t0 in range(bos, bos + length, 64):
-            rows = slice(t0, min(t0 + 64, bos + length))
-            L = rows.stop - rows.start
-            if slot < 0:
-                assert all(torch.isnan(x[rows].float()).all() for x in ops.values()), "a padding row was written"
-                continue
-            G = g64[rows].cumsum(0)  # [L, HV, K]
-            qc, kc = (x[rows].transpose(0, 1) for x in (q, k))  # [HV, L, K]
-            Gc = G.transpose(0, 1)
-            causal = torch.ones(L, L, dtype=torch.bool).tril()
-            decay = torch.where(causal[..., None], Gc[:, :, None] - Gc[:, None], -float("inf")).exp()
-            P = recipe.scale * torch.einsum("htk,hsk,htsk->hts", qc, kc, decay)
-            A = torch.einsum("htk,hsk,htsk->hts", kc, kc, decay).tril(-1)
-            M = torch.eye(L, dtype=torch.float64) + b64[rows].T[:, :, None] * A
-            expected = dict(P=P, T=torch.linalg.inv(M), Qd=recipe.scale * Gc.exp() * qc, Ke=Gc.exp() * kc,
-                            Kd=(Gc[:, -1:] - Gc).exp() * kc, G=Gc)
-            for name, ref in expected.items():
-                got = ops[name][rows].transpose(0, 1).double()
-                if name in ("P", "T"):
-                    got, zeros = got[..., :L], got[..., L:]
-                    assert (zeros == 0).all(), f"{name}: columns past the chunk's rows must be zero"
-                assert_close(got, ref, 2e-3 if name == "G" else 1e-2, name)
-        bos += length
-
-
 @pytest.mark.parametrize("mode", ["gdn", "kda"])
 def test_map_columns_carry_the_segment_map(mode, generator):
     """map_columns=K (context parallelism): started from [S0 | I] the state's last K columns end

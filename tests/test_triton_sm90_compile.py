@@ -4,11 +4,11 @@ another type inside an ``if``, for one), which would then fail on the first GPU 
 
 A fresh process without ``TRITON_INTERPRET`` runs the Level-1 API on CPU tensors with the
 launches recorded instead of run (prefill of GDN, KDA and Lightning with bf16 and float32
-inputs, checkpoints and segments; KDA's operands for the cute backend's state pass and the
-Triton launches of its segments' join; decode; verify in the three protocols, with a pending
-commit, and commit), then compiles each distinct launch (82: about 85 s on one core) for sm_90
-with its arguments' types, constexprs, options and the JIT's divisibility hints (pointers 16-byte
-aligned, integers that are multiples of 16).
+inputs, checkpoints and segments; the exact diagonal blocks that the cute backend's KDA
+intra-chunk kernel marks, and the Triton launches of its segments' join; decode; verify in the
+three protocols, with a pending commit, and commit), then compiles each distinct launch (about
+80, 85 s on one core) for sm_90 with its arguments' types, constexprs, options and the JIT's
+divisibility hints (pointers 16-byte aligned, integers that are multiples of 16).
 
 The tensor-core verifies (``verify_wy_triton``, ``verify_chunk_triton``) are held to one more
 thing there: no state tile staged in unswizzled shared memory and read into the tensor cores'
@@ -31,7 +31,8 @@ from cula_serve import cula_commit, cula_decode, cula_gdn, cula_kda, cula_lightn
 from cula_serve.api import _recipe
 from cula_serve.inputs import random_inputs
 from cula_serve.kernels.backends import triton_backend
-from cula_serve.kernels.delta_rule.chunk_triton import kda_chunk_operands
+from cula_serve.kernels.common.varlen import chunk_indices
+from cula_serve.kernels.delta_rule.chunk_triton import kda_exact_diagonal
 
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
@@ -105,12 +106,15 @@ for mode, prefill in (("gdn", cula_gdn), ("kda", cula_kda), ("lightning", cula_l
                                  num_accepted_tokens=torch.tensor([1, 1, 2], dtype=torch.int32), **kw, **TRITON)
         cula_commit(pending, accepted.clamp(min=1))
 
-# the intra-chunk operands of the cute backend's KDA state pass (whole rows)
+# the exact diagonal blocks the cute backend's KDA intra-chunk kernel marks (gates summed from g)
 kw = random_inputs("kda", (sum(lens),), **shape, generator=generator)
 recipe, g, beta = _recipe("kda", (sum(lens),), 8, 128, device=kw["q"].device, g=kw["g"], beta=kw["beta"], decay=None,
                           scale=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
                           dt_bias=kw["dt_bias"], lower_bound=None, use_beta_sigmoid_in_kernel=True)
-kda_chunk_operands(recipe, kw["q"], kw["k"], g, beta, cu_seqlens=cu_seqlens, state_indices=slots)
+table = chunk_indices(cu_seqlens, sum(lens), 64)
+kda_exact_diagonal(recipe, kw["q"], kw["k"], g, beta, cu_seqlens, table, slots,
+                   torch.zeros(sum(lens), 8, 64, dtype=torch.bfloat16), torch.zeros(sum(lens), 8, 64),
+                   torch.ones(table.shape[0] * 8, 4, dtype=torch.int8))
 
 # the Triton launches of the cute backend's one-pass segments' join: one (two segments), then two
 from cula_serve.kernels.common.affine_output import join_segments

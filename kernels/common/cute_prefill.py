@@ -18,10 +18,11 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr, pipeline
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp
 
 from ..delta_rule.recurrent_cute import compile_launcher
 from .chunking import CHUNK_SIZE
@@ -87,6 +88,25 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
         cute.gemm(atom, acc, a[None, None, kb], b[None, None, kb], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+@cute.jit
+def load_operand(src: cute.Tensor, fragment: cute.Tensor, mma: cute.TiledMma, lane: Int32,
+                 A_OPERAND: cutlass.Constexpr[bool], K_CONTIGUOUS_B: cutlass.Constexpr[bool] = False):
+    """An mma.sync operand fragment from fp16 shared memory by ldmatrix: A from a row-major view
+    [16, K], B from a transposed one [N, K] (ldmatrix.trans), or with K_CONTIGUOUS_B from a
+    row-major [N, K] (N a multiple of 16); a matrix per 8 x 8 block."""
+    k = cute.size(src.shape[1])
+    if const_expr(A_OPERAND):
+        atom = cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=False, num_matrices=4 if k >= 16 else 2), Float16)
+        copy = cute.make_tiled_copy_A(atom, mma).get_slice(lane)
+    elif const_expr(K_CONTIGUOUS_B):
+        atom = cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=False, num_matrices=4), Float16)
+        copy = cute.make_tiled_copy_B(atom, mma).get_slice(lane)
+    else:
+        atom = cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=True, num_matrices=2 if k >= 16 else 1), Float16)
+        copy = cute.make_tiled_copy_B(atom, mma).get_slice(lane)
+    cute.copy(copy, copy.partition_S(src), copy.retile(fragment))
 
 
 @cute.jit
@@ -231,6 +251,22 @@ def block_sequence(cu_seqlens: cute.Tensor, state_indices: cute.Tensor, HV: cutl
     if const_expr(HAS_SLOTS):
         slot = Int64(state_indices[n])
     return n, hv, hv // GROUP, bos, length, (length + C - 1) // C, slot
+
+
+@cute.jit
+def block_chunk(table: cute.Tensor, state_indices: cute.Tensor, HV: cutlass.Constexpr[int],
+                HAS_SLOTS: cutlass.Constexpr[bool]):
+    """This CTA's (chunk, value head) of a per-chunk kernel, blockIdx.x = chunk id * HV + value head
+    (``table``: ``varlen.chunk_indices``' [chunk ids, 2]): (its block index, chunk id, hv, sequence,
+    live: a table entry that is a chunk, of a sequence that is not padding)."""
+    bid = cute.arch.block_idx()[0]
+    chunk = bid // HV
+    seq = table[chunk, 0]
+    live = seq >= 0
+    if const_expr(HAS_SLOTS):
+        if live:
+            live = state_indices[seq] >= 0
+    return bid, chunk, bid % HV, seq, live
 
 
 @cute.jit

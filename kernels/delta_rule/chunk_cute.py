@@ -134,13 +134,13 @@ has_initial_state, GVA, qk l2norm, checkpoints (unsegmented), dense states (thro
 segments; the dispatcher passes anything else to Triton.
 
 KDA (``kda_prefill``): the per-channel gate's decays do not factor out of a product as GDN's
-scalar ones do, so KDA's intra-chunk stage stays in Triton for now (``chunk_triton.kda_chunk_operands``:
-the gate pass, the 16 x 16 block kernel with its FACTOR_SPAN guard), but for its triangular solve
-(``solve_cute.kda_solve``: 3xTF32 products on the tensor cores), and writes per
-chunk P (bf16), T = M^-1 (fp16), Qd = scale exp(G) Q / |q| and Ke = exp(G) K / |k| (bf16),
-Kd = exp(G_C - G) K / |k| (fp16) and G. ``_kda_kernel`` then runs the state chain of the state
-warpgroups above (``_state_math`` with PER_CHANNEL) on those tiles, streamed by TMA, in place of
-Triton's W / U~ kernel and state pass:
+scalar ones do, so KDA's intra-chunk stage is a kernel of its own (``intra_cute.kda_chunk_operands``:
+P and A in 16 x 16 blocks on mma.sync from decay-factored fp16 tiles, the diagonal blocks whose
+gates span too much left to Triton's exact kernel, then the 3xTF32 solve of ``solve_cute``); it
+writes per chunk P (bf16), T = M^-1 (fp16), Qd = scale exp(G) Q / |q| and Ke = exp(G) K / |k|
+(bf16), Kd = exp(G_C - G) K / |k| (fp16) and G at the chunk's last row. ``_kda_kernel`` then runs
+the state chain of the state warpgroups above (``_state_math`` with PER_CHANNEL) on those tiles,
+streamed by TMA, in place of Triton's W / U~ kernel and state pass:
     Z = S^T Ke^T,  U^T = ((V^T - Z) diag(beta)) T^T,  O^T = S^T Qd^T + U^T P^T,
     S^T <- S^T diag(exp(G_C)) + U^T Kd
 with U^T in two fp16 parts against fp16 Kd (22 and 11 significant bits, as Triton's tf32 product
@@ -160,8 +160,9 @@ Long sequences run in segments as GDN's do (``_state_math`` is the same chain; t
 kernels do not care where a segment starts, chunk boundaries do not move): a segment's value rows
 and K map rows on two CTAs, then ``join_segments``. H200, graph replay, ns per token-head, whole
 / in segments (Triton's prefill): a TP4 shard of 8 heads on one 8192-token sequence 6.503 /
-3.493 (5.382) in segments of 1024, 1 x 32768 at 32 heads 2.714 / 2.382 (3.766) in two.
-No fused intra-chunk stage yet: see BENCHMARKS.md.
+3.493 (5.382) in segments of 1024, 1 x 32768 at 32 heads 2.714 / 2.382 (3.766) in two. (Those were
+with Triton's intra-chunk stage; ``intra_cute``'s docstring and BENCHMARKS.md have today's.) The
+intra-chunk stage is not fused into the state pass yet.
 """
 from __future__ import annotations
 
@@ -176,15 +177,14 @@ from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, MmaF16BF16Op, StMatrix8x8
 import cuda.bindings.driver as cuda
 
 from ..common.cute_prefill import (C, HALF, HEAD_DIM, LOG2E, block_segment, block_sequence, block_view,
-                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, pin, launch,
-                                   launch_arguments, load_state, make_loads, output_read, output_store, produce,
-                                   row_inv_norms, store_state, tensor_views, transposed,
+                                   check_index_dtypes, checkpoints, finish_chunk, gemm, kmajor, launch,
+                                   launch_arguments, load_operand, load_state, make_loads, output_read,
+                                   output_store, pin, produce, row_inv_norms, store_state, tensor_views, transposed,
                                    unsupported as unsupported_rows, zero_rows)
 from ..common import segments
 from ..common.affine_output import join_segments
 from ..common.prep import Recipe
-from .chunk_triton import kda_chunk_operands
-from .solve_cute import kda_solve
+from .intra_cute import kda_chunk_operands
 from .recurrent_cute import GATE_NONE, GATE_SOFTPLUS, _log_decay, _sigmoid
 
 BLOCK = 16  # rows of an mma.sync tile in the solve, and of the diagonal blocks its first doubling makes
@@ -327,21 +327,6 @@ def _invert(sA: cute.Tensor, sT: cute.Tensor, ctid: Int32):
 
 
 @cute.jit
-def _load_operand(src: cute.Tensor, fragment: cute.Tensor, mma: cute.TiledMma, lane: Int32,
-                  A_OPERAND: cutlass.Constexpr[bool]):
-    """An mma.sync operand fragment from fp16 shared memory by ldmatrix: A from a row-major view
-    [16, K], B from a transposed one [N, K] (ldmatrix.trans); a matrix per 8 x 8 block."""
-    k = cute.size(src.shape[1])
-    if const_expr(A_OPERAND):
-        atom = cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=False, num_matrices=4 if k >= 16 else 2), Float16)
-        copy = cute.make_tiled_copy_A(atom, mma).get_slice(lane)
-    else:
-        atom = cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=True, num_matrices=2 if k >= 16 else 1), Float16)
-        copy = cute.make_tiled_copy_B(atom, mma).get_slice(lane)
-    cute.copy(copy, copy.partition_S(src), copy.retile(fragment))
-
-
-@cute.jit
 def _chain(X: cute.Tensor, Yt: cute.Tensor, Zt: cute.Tensor, sT: cute.Tensor, row0, col0, lane: Int32,
            FIRST_ROW: cutlass.Constexpr[int] = 0):
     """One warp's -(X Y) Z (X [16, K1], Y^T = Yt [K2 = N1, K1], Z^T = Zt [N2, K2]) on the tensor
@@ -356,8 +341,8 @@ def _chain(X: cute.Tensor, Yt: cute.Tensor, Zt: cute.Tensor, sT: cute.Tensor, ro
     thr1 = mma1.get_slice(lane)
     x = mma1.make_fragment_A(thr1.partition_shape_A(X.shape))
     y = mma1.make_fragment_B(thr1.partition_shape_B(Yt.shape))
-    _load_operand(X, x, mma1, lane, True)
-    _load_operand(Yt, y, mma1, lane, False)
+    load_operand(X, x, mma1, lane, True)
+    load_operand(Yt, y, mma1, lane, False)
     xy = cute.make_rmem_tensor(thr1.partition_shape_C((16, n1)), Float32)
     xy.fill(0.0)
     cute.gemm(mma1, xy, x, y, xy)
@@ -366,7 +351,7 @@ def _chain(X: cute.Tensor, Yt: cute.Tensor, Zt: cute.Tensor, sT: cute.Tensor, ro
     thr2 = mma2.get_slice(lane)
     a = mma2.make_fragment_A(thr2.partition_shape_A((16, n1)))
     z = mma2.make_fragment_B(thr2.partition_shape_B(Zt.shape))
-    _load_operand(Zt, z, mma2, lane, False)
+    load_operand(Zt, z, mma2, lane, False)
     for i in cutlass.range_constexpr(cute.size(a)):
         a[i] = Float16(-xy[i])
     acc = cute.make_rmem_tensor(thr2.partition_shape_C((16, n2)), Float32)
@@ -968,7 +953,7 @@ def _launch(
 
 
 # ------------------------------------------------------------------------------------------------
-# KDA: the state pass over the intra-chunk operands of ``chunk_triton.kda_chunk_operands``
+# KDA: the state pass over the intra-chunk operands of ``intra_cute.kda_chunk_operands``
 
 
 @cute.jit
@@ -1161,8 +1146,8 @@ _POINTERS = ("q", "k", "v", "out", "pool", "g", "beta", "A_log", "dt_bias", "cu_
 
 def unsupported(mode: str, q, k, v, out, pool) -> str | None:
     """Why these kernels cannot run a call (None when they can): GDN and KDA, the rows
-    ``cute_prefill.unsupported`` admits. KDA's q and k go to the Triton intra-chunk kernels, which
-    take any strides: only v and out need TMA's rows."""
+    ``cute_prefill.unsupported`` admits. KDA's q and k go to the intra-chunk kernel, which takes any
+    strides (copying q or k whose rows are not 16-byte aligned): only v and out need TMA's rows."""
     if mode not in ("gdn", "kda"):
         return f"no CuTe DSL delta-rule prefill for {mode}"
     tma_rows = ("v", "out") if mode == "kda" else ("q", "k", "v", "out")
@@ -1229,8 +1214,8 @@ _KDA_POINTERS = ("Qd", "Ke", "Kd", "P", "T", "v", "out", "pool", "G", "beta", "c
 def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices, has_initial_state, out,
                 checkpoint_every=None, checkpoint_indices=None, segment_tokens=None):
     """Chunked prefill of KDA over a packed varlen batch (``torch_backend.prefill`` semantics): the
-    intra-chunk operands by the Triton kernels (``chunk_triton.kda_chunk_operands``: P, M^-1 and
-    the decayed Q and K tiles per chunk), then the state pass on the tensor cores (``_kda_kernel``,
+    intra-chunk operands (``intra_cute.kda_chunk_operands``: P, M^-1 and the decayed Q and K tiles
+    per chunk), then the state pass on the tensor cores (``_kda_kernel``,
     one CTA per sequence and value head, or per segment as GDN's: ``segment_tokens`` as
     ``gdn_prefill``'s).
 
@@ -1253,11 +1238,7 @@ def kda_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, sta
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}: expected {list(shape)}, got {list(x.shape)}")
 
-    def solve(N_ws, T_ws, table):  # M^-1 on the tensor cores, in place of Triton's inverse
-        kda_solve(N_ws, T_ws, table, cu_seqlens, state_indices)
-
-    ops = kda_chunk_operands(recipe, q, k, g, beta, cu_seqlens=cu_seqlens, state_indices=state_indices,
-                             solve=solve)
+    ops = kda_chunk_operands(recipe, q, k, g, beta, cu_seqlens=cu_seqlens, state_indices=state_indices)
     transitions, q_carried = _segment_buffers(T, N, HV, tokens, q.device)
     tensors = (ops["Qd"], ops["Ke"], ops["Kd"], ops["P"], ops["T"], v, out, state_pool, ops["G"], beta, cu_seqlens,
                state_indices, has_initial_state, ckpt, transitions, q_carried)

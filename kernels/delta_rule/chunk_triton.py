@@ -51,10 +51,9 @@ stage 3 below).
    32768 4.43 -> 4.15). The whole chunk's blocks in one program kept three sub-chunks' decayed
    tiles live and spilled 3 KB per thread (KDA 4 x 8192 on an H200: 7.80 ms against 5.82 + 0.52
    then).
-   On Hopper KDA's prefill runs these launches alone (``kda_chunk_operands``, ``_kda_intra``),
-   with Ke in bf16, P and M^-1 (fp16, out of place) as whole rows with zeros above, for the CuTe
-   DSL state pass (``chunk_cute.kda_prefill``) that replaces kernels 2 and 3; there M^-1 comes
-   from a tensor-core solve (``solve_cute.kda_solve``) instead of ``_invert_kernel``.
+   On Hopper KDA's prefill forms these operands in one CuTe DSL kernel instead (``intra_cute``),
+   which hands the diagonal blocks it cannot take in fp16 to ``kda_exact_diagonal`` (the exact
+   kernel's launch, its gates summed there from g).
 2. KDA: ``_delta_wu_kernel``, same grid as kernel 1: U~ = M^-1 diag(beta) V and W as C-row
    products over the whole chunk in column tiles of 32, into W [T, HV, K] and U~ [T, HV, V]
    (GDN's intra kernel forms them itself). A separate launch because inside the intra-chunk
@@ -440,11 +439,11 @@ def _invert_diag16(N):
 
 
 @triton.jit
-def _invert_chunk(ws, out, t0, L, hv, HV: tl.constexpr, C: tl.constexpr, WHOLE: tl.constexpr):
+def _invert_chunk(ws, out, t0, L, hv, HV: tl.constexpr, C: tl.constexpr):
     """M^-1 from N = M - I (strictly lower, float32 [C, C] rows of a [T, HV, C] workspace) into
     ``out`` ([T, HV, C], ``ws`` itself for in place), in 16 x 16 blocks: (M^-1)_ii by block
     doubling, then row block by row block (M^-1)_ij = -(M^-1)_ii sum_{j <= m < i} N_im (M^-1)_mj.
-    Writes the lower blocks only, or with WHOLE the zero blocks above them too (rows < L)."""
+    Writes the lower blocks only."""
     N10 = _load_block(ws, t0, SUB, 0, L, hv, HV, C)
     N20 = _load_block(ws, t0, 2 * SUB, 0, L, hv, HV, C)
     N21 = _load_block(ws, t0, 2 * SUB, SUB, L, hv, HV, C)
@@ -472,17 +471,6 @@ def _invert_chunk(ws, out, t0, L, hv, HV: tl.constexpr, C: tl.constexpr, WHOLE: 
     _store_block(out, I31, t0, 3 * SUB, SUB, L, hv, HV, C)
     _store_block(out, I32, t0, 3 * SUB, 2 * SUB, L, hv, HV, C)
     _store_block(out, I33, t0, 3 * SUB, 3 * SUB, L, hv, HV, C)
-    if WHOLE:
-        for i in tl.static_range(C // SUB - 1):
-            _zero_upper_blocks(out, t0, i, L, hv, HV, C)
-
-
-@triton.jit
-def _zero_upper_blocks(ws, t0, i, L, hv, HV: tl.constexpr, C: tl.constexpr):
-    """Zeros into the 16 x 16 blocks (i, j > i) of the chunk's [C, C] matrix in a [T, HV, C]
-    workspace (rows < L): a consumer that reads whole rows sees a lower triangular matrix."""
-    for j in range(i + 1, C // SUB):
-        _store_block(ws, tl.zeros([SUB, SUB], dtype=tl.float32), t0, i * SUB, j * SUB, L, hv, HV, C)
 
 
 @triton.jit
@@ -692,15 +680,14 @@ def _kda_block_kernel(
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_UNIT: tl.constexpr,
     FACTOR_SPAN: tl.constexpr,
-    GATE_WS: tl.constexpr, WHOLE_P: tl.constexpr,
+    GATE_WS: tl.constexpr,
 ):
     """KDA, one (chunk, value head, row sub-chunk i): the 16 x 16 blocks (i, j <= i) of P (times
-    scale) and of N = diag(beta) A into the workspaces; with WHOLE_P P's zero blocks (i, j > i)
-    too. ``G_ws`` [T, HV, K] holds G, the
-    cumulative log gate from the chunk's start (float32), for the W / U~ and state kernels: with
-    GATE_WS ``_kda_gate_kernel`` wrote it and the blocks' decays are read from it; without (float32
-    inputs, whose sums keep the gates' own order: module docstring) the program computes its
-    sub-chunks' gates and writes its rows of G. With GATE_WS it also writes its rows of the later
+    scale) and of N = diag(beta) A into the workspaces. ``G_ws`` [T, HV, K] holds G, the cumulative
+    log gate from the chunk's start (float32), for the W / U~ and state kernels: with GATE_WS
+    ``_kda_gate_kernel`` wrote it and the blocks' decays are read from it; without (float32 inputs,
+    whose sums keep the gates' own order: module docstring) the program computes its sub-chunks'
+    gates and writes its rows of G. With GATE_WS it also writes its rows of the later
     kernels' decayed operands, from the q and k rows and norms it has in hand:
     Ke = exp(G) K / |k| (W's), Qd = scale exp(G) Q / |q| and Kd = exp(G_C - G) K / |k| (the state
     pass's), into ``Ke_ws``, ``Qd_ws`` and ``Kd_ws`` [T, HV, K] (host docstring for their dtypes).
@@ -779,8 +766,6 @@ def _kda_block_kernel(
         if not GATE_WS:
             r = i * SUB + tl.arange(0, SUB)
             _store_tile(G_ws, li + span[None, :], t0 + r, r < L, hv, 0, HV, K, BK)
-        if WHOLE_P:
-            _zero_upper_blocks(P_ws, t0, i, L, hv, HV, C)
     else:
         tl.store(mark, 0)
 
@@ -820,7 +805,7 @@ def _kda_exact_diag_kernel(
     QK_L2NORM: tl.constexpr, FUSED_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_LOGITS: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC_ACC: tl.constexpr, PREC_UNIT: tl.constexpr,
     FACTOR_SPAN: tl.constexpr,
-    GATE_WS: tl.constexpr, BKD: tl.constexpr,
+    GATE_WS: tl.constexpr, BKD: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
     """KDA, one (chunk, value head, sub-chunk i), arguments as the block kernel's: the diagonal 16 x 16
     block (i, i) of P and N where the block kernel left it here (gates spanning FACTOR_SPAN or more
@@ -855,7 +840,7 @@ def _kda_exact_diag_kernel(
                 l = _load_tile(G_ws + hv * K, tok, rmask, HV * K, 1, c0, K, BKD)
             else:
                 l = tl.cumsum(_log_decay_rows(g, tok, rmask, s_gt, s_gk, A, dt_bias, lower_bound, c0,
-                                              K, BKD, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE), 0)
+                                              K, BKD, True, FUSED_GATE, HAS_DT_BIAS, SAFE_GATE, FAST_LOG), 0)
             A_blk, P_blk = _split_diag_block(
                 _load_tile(q, tok, rmask, s_qt, s_qk, c0, K, BKD), _load_tile(k, tok, rmask, s_kt, s_kk, c0, K, BKD),
                 rq, rk, l, A_blk, P_blk, PREC_ACC, PREC_UNIT, FACTOR_SPAN)
@@ -866,13 +851,13 @@ def _kda_exact_diag_kernel(
 
 @triton.jit
 def _invert_kernel(cu_seqlens, chunk_table, state_indices, Minv_ws, T_ws,
-                   HV: tl.constexpr, C: tl.constexpr, HAS_SLOTS: tl.constexpr, WHOLE: tl.constexpr):
+                   HV: tl.constexpr, C: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """KDA, one (chunk, value head): M^-1 from N in ``Minv_ws`` into ``T_ws`` (``_invert_chunk``;
     the same workspace for in place)."""
     i_c, hv = _chunk_program(HV)
     live, t0, eos = _chunk_rows(chunk_table, cu_seqlens, state_indices, i_c, C, HAS_SLOTS)
     if live:
-        _invert_chunk(Minv_ws, T_ws, t0, tl.minimum(eos - t0, C).to(tl.int32), hv, HV, C, WHOLE)
+        _invert_chunk(Minv_ws, T_ws, t0, tl.minimum(eos - t0, C).to(tl.int32), hv, HV, C)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1154,14 +1139,11 @@ def planned_segment_tokens(T: int, N: int, HV: int, K: int, V: int, num_sms: int
                                    programs_per_sm=SEGMENT_PROGRAMS_PER_SM, requested=requested)
 
 
-def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces: tuple, gate_ws: bool,
-               whole: bool, solve=None):
+def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces: tuple, gate_ws: bool):
     """KDA's intra-chunk launches (kernel 1 of the module docstring): the gate pass (with
     ``gate_ws``), the block kernel, the exact diagonal blocks and the inverse. ``workspaces`` (P,
     N, M^-1's destination, G, Qd, Kd, Ke), all [T, HV, ...]; N and the destination may be one
-    tensor (in place). ``whole``: P and M^-1 also get zeros above their lower blocks, so that
-    whole rows can be read. ``solve``: None for ``_invert_kernel``, or a callable
-    solve(N, destination, table) that computes M^-1 in its place (``kda_chunk_operands``)."""
+    tensor (in place)."""
     T, H, K = q.shape
     HV = beta.shape[1]
     C = CHUNK_SIZE
@@ -1184,66 +1166,51 @@ def _kda_intra(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, 
     # 1 warp 1.71 and 2 warps with 2 stages 1.56.
     # float32 inputs (tf32x3, twice the operand tiles) take 4: an sm_90 compile (fused gate, K =
     # 128) spills 1136 bytes per thread with 4 warps, 2508 with 2 (not timed).
-    constants = dict(HV=HV, GROUP=HV // H, K=K, BK=max(triton.next_power_of_2(K), 16), C=C,
-                     QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=has_slots, BETA_LOGITS=recipe.beta_logits,
-                     PREC_ACC=prec["PREC_ACC"], PREC_UNIT=prec["PREC_UNIT"], FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws,
-                     **gate_flags)
     exact_marks = torch.empty(grid[0], 4, dtype=torch.int8, device=q.device)  # every byte written
-    register_cap = _intra_register_cap(prec)
     warps = 4 if prec["PREC_ACC"] == "tf32x3" else 2  # the block kernel (the exact one too with float32 inputs)
     _kda_block_kernel[(grid[0] * 4,)](
         q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws,
-        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks, **constants,
-        WHOLE_P=whole, num_warps=warps, num_stages=1, **register_cap)
-    _kda_exact_diag_kernel[grid + (C // SUB,)](
-        q, k, g, beta, *gate_args, recipe.scale, cu_seqlens, table, slots, P_ws, N_ws, G_ws,
-        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), exact_marks, **constants,
-        BKD=min(constants["BK"], EXACT_DIAG_TILE), num_stages=1,
-        **(dict(num_warps=warps) if prec["PREC_ACC"] == "tf32x3" else
-           dict(num_warps=EXACT_DIAG_WARPS, maxnreg=EXACT_DIAG_MAXNREG)))
-    if solve is not None:
-        solve(N_ws, T_ws, table)
-        return
+        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), G_ws, Qd_ws, Kd_ws, Ke_ws, exact_marks,
+        **_kda_constants(recipe, q, beta, has_slots, gate_ws, gate_flags), num_warps=warps, num_stages=1,
+        **_intra_register_cap(prec))
+    kda_exact_diagonal(recipe, q, k, g, beta, cu_seqlens, table, state_indices, P_ws, N_ws, exact_marks,
+                       G_ws=G_ws if gate_ws else None)
     # 2 warps: H200, KDA 4 x 8192 bf16, 0.517 ms with 4, 0.404 with 2 (0.410 with 1, timed on GDN)
-    _invert_kernel[grid](cu_seqlens, table, slots, N_ws, T_ws, HV=HV, C=C, HAS_SLOTS=has_slots, WHOLE=whole,
-                         num_warps=2, num_stages=1)
+    _invert_kernel[grid](cu_seqlens, table, slots, N_ws, T_ws, HV=HV, C=C, HAS_SLOTS=has_slots, num_warps=2,
+                         num_stages=1)
 
 
-def kda_chunk_operands(recipe: Recipe, q, k, g, beta, *, cu_seqlens, state_indices, solve=None) -> dict:
-    """KDA's intra-chunk stage for a state pass on the tensor cores (``chunk_cute.kda_prefill``):
-    the launches of ``_kda_intra`` for bf16 q, k (arguments as ``delta_rule_prefill``'s), their
-    per-chunk operands returned as [T, HV, ...] tensors, rows packed as the tokens:
+def _kda_constants(recipe: Recipe, q, beta, has_slots: bool, gate_ws: bool, gate_flags: dict) -> dict:
+    """The constexprs KDA's block and exact diagonal kernels share."""
+    K = q.shape[2]
+    prec = precisions(q.dtype)
+    return dict(HV=beta.shape[1], GROUP=beta.shape[1] // q.shape[1], K=K, BK=max(triton.next_power_of_2(K), 16),
+                C=CHUNK_SIZE, QK_L2NORM=recipe.qk_l2norm, HAS_SLOTS=has_slots, BETA_LOGITS=recipe.beta_logits,
+                PREC_ACC=prec["PREC_ACC"], PREC_UNIT=prec["PREC_UNIT"], FACTOR_SPAN=FACTOR_SPAN, GATE_WS=gate_ws,
+                **gate_flags)
 
-        P   bf16 [T, HV, C]   scale q_t . k_s exp(G_t - G_s) / (|q_t| |k_s|) (s <= t, zeros above)
-        T   fp16 [T, HV, C]   M^-1 = (I + diag(beta) A)^-1 (unit lower triangular, zeros above)
-        Qd  bf16 [T, HV, K]   scale exp(G) Q / |q|
-        Ke  bf16 [T, HV, K]   exp(G) K / |k|
-        Kd  fp16 [T, HV, K]   exp(G_C - G) K / |k|       (G_C: G at the chunk's last valid row)
-        G   float32 [T, HV, K] G, the cumulative log gate from the chunk's start
 
-    Each chunk's rows t < L only: a chunk's rows past its sequence's end are the next sequence's
-    (or never written, for padding sequences). Ke and Kd enter products with the bf16 state (Z =
-    S^T Ke^T) and the fp16 parts of U (the update); T is fp16 as the CuTe DSL GDN kernel's is.
-
-    ``solve``: None for Triton's inverse (``_invert_kernel``), or solve(N, T, table) writing T's rows
-    from N = M - I (float32 [T, HV, C], strictly lower; nothing on or above the diagonal is
-    written) and the chunk table (``varlen.chunk_indices``): ``solve_cute.kda_solve`` on Hopper."""
-    if q.dtype != torch.bfloat16:
-        raise ValueError(f"q: kda_chunk_operands takes bf16 inputs, got {q.dtype}")
-    T, _, K = q.shape
-    HV = beta.shape[1]
-    C = CHUNK_SIZE
-    device = q.device
-    half = dict(dtype=torch.bfloat16, device=device)
-    fp16 = dict(dtype=torch.float16, device=device)
-    out = dict(P=torch.empty(T, HV, C, **half), T=torch.empty(T, HV, C, **fp16), Qd=torch.empty(T, HV, K, **half),
-               Ke=torch.empty(T, HV, K, **half), Kd=torch.empty(T, HV, K, **fp16),
-               G=torch.empty(T, HV, K, dtype=torch.float32, device=device))
-    N_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
-    table = chunk_indices(cu_seqlens, T, C)
-    _kda_intra(recipe, q, k, g, beta, cu_seqlens, table, state_indices,
-               (out["P"], N_ws, out["T"], out["G"], out["Qd"], out["Kd"], out["Ke"]), True, True, solve)
-    return out
+def kda_exact_diagonal(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_indices, P_ws, N_ws, marks,
+                       G_ws=None):
+    """The launch of ``_kda_exact_diag_kernel``: the diagonal 16 x 16 blocks of P (times scale) and
+    N = diag(beta) A marked in ``marks`` (int8 [chunk ids x HV, 4], nonzero: computed here), exactly,
+    into P_ws and N_ws [T, HV, C]; unmarked blocks are left as they are. q, k, g, beta as
+    ``delta_rule_prefill``'s (raw with the recipe's fused gate, l2norm and beta sigmoid); table from
+    ``varlen.chunk_indices``. ``G_ws``: the block kernel's G [T, HV, K] (float32), or None: the gates
+    are summed here from ``g`` (the CuTe DSL intra-chunk kernel, ``intra_cute``, writes no G)."""
+    prec = precisions(q.dtype)
+    A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, q.device)
+    has_slots = state_indices is not None
+    constants = _kda_constants(recipe, q, beta, has_slots, G_ws is not None, gate_flags)
+    _kda_exact_diag_kernel[(marks.shape[0], CHUNK_SIZE // SUB)](
+        q, k, g, beta, A_log, dt_bias, lower_bound, recipe.scale, cu_seqlens, table,
+        state_indices if has_slots else table, P_ws, N_ws, G_ws if G_ws is not None else N_ws,
+        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), marks, **constants,
+        BKD=min(constants["BK"], EXACT_DIAG_TILE), num_stages=1,
+        # softplus' log on the SFU with bf16 / fp16 inputs (``_kda_gate_kernel``'s FAST_LOG)
+        FAST_LOG=prec["PREC_ACC"] != "tf32x3" and not triton.knobs.runtime.interpret,
+        **(dict(num_warps=4) if prec["PREC_ACC"] == "tf32x3" else
+           dict(num_warps=EXACT_DIAG_WARPS, maxnreg=EXACT_DIAG_MAXNREG)))
 
 
 def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_pool, state_indices,
@@ -1323,11 +1290,11 @@ def delta_rule_prefill(recipe: Recipe, q, k, v, g, beta, *, cu_seqlens, state_po
     table = chunk_indices(cu_seqlens, T, C)
     grid = (max_chunks(T, N, C) * HV,)
     intra_flags = dict({key: common[key] for key in ("HV", "GROUP", "K", "BK", "C", "QK_L2NORM", "HAS_SLOTS")},
-                    V=V, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"])
+                       V=V, BETA_LOGITS=recipe.beta_logits, PREC_RAW=prec["PREC_RAW"])
     if per_channel:
         Minv_ws = torch.empty(T, HV, C, dtype=torch.float32, device=device)
         workspaces = (P_ws, Minv_ws, Minv_ws, G_ws, Qd_ws, Kd_ws, Ke_ws)
-        _kda_intra(recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces, gate_ws, False)
+        _kda_intra(recipe, q, k, g, beta, cu_seqlens, table, state_indices, workspaces, gate_ws)
         # Three stages prefetch the next column tiles (H200, 4 x 8192, bf16: KDA 1.050 -> 1.001 ms);
         # with float32 inputs they spill (sm_90 and sm_80 compiles), so one stage.
         _delta_wu_kernel[grid](

@@ -122,7 +122,7 @@ SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: x above it is returned 
 FOLD_FLOOR = 2.0 ** -60  # a folded scalar decay below this is applied to the state (1 / it stays far from overflow)
 # bool tensors (a prefill's has_initial_state) are read as bytes
 DTYPES = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-          torch.int32: cutlass.Int32, torch.bool: cutlass.Uint8}
+          torch.int32: cutlass.Int32, torch.int8: cutlass.Int8, torch.bool: cutlass.Uint8}
 
 
 # ------------------------------------------------------------------------------------------------

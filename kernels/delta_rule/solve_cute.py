@@ -45,14 +45,14 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float16, Float32, Int32, const_expr
+from cutlass import Float16, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 from cutlass.cute.nvgpu.warp import MmaTF32Op
 import cuda.bindings.driver as cuda
 
 from ..common.chunking import CHUNK_SIZE
-from ..common.cute_prefill import block_view, transposed
+from ..common.cute_prefill import block_chunk, block_view, transposed
 from .recurrent_cute import compile_launcher
 
 C = CHUNK_SIZE
@@ -160,14 +160,7 @@ def _solve_kernel(n_ws: cute.Tensor, t_ws: cute.Tensor, table: cute.Tensor, cu_s
     tid = cute.arch.thread_idx()[0]
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = tid % 32
-    bid = cute.arch.block_idx()[0]
-    chunk = bid // HV
-    hv = bid % HV
-    seq = table[chunk, 0]
-    live = seq >= 0
-    if const_expr(HAS_SLOTS):
-        if live:
-            live = state_indices[seq] >= 0
+    bid, chunk, hv, seq, live = block_chunk(table, state_indices, HV, HAS_SLOTS)
 
     @cute.struct
     class Shared:

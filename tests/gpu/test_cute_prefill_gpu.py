@@ -7,7 +7,8 @@ q, k); both pool dtypes; a sequence of several thousand tokens; many short and e
 checkpoints; grouped value heads; no pool and dense initial states; a capture in a CUDA graph
 replayed with new inputs; which calls automatic dispatch gives them. GDN and KDA also: in-card
 segments, forced short and by the automatic rule, with and without a pool, under CUDA-graph
-replay; KDA's triangular solve on the tensor cores alone, against float64. Lightning also: strided
+replay; KDA's intra-chunk operands and its triangular solve on the tensor cores alone, against
+float64. Lightning also: strided
 views of a fused projection, a packed batch past 2^31 elements. GDN also: segments over many
 short sequences, and bitwise the same from call to call.
 
@@ -411,6 +412,81 @@ def test_kda_solve_against_float64(keys):
         assert_close(T_ws[t0:t0 + L], inverse, 1e-3, f"M^-1 of the chunk at token {t0}")
         written[t0:t0 + L] = True
     assert torch.isnan(T_ws[~written].float()).all(), "rows of the padding sequence were written"
+
+
+class _NanWorkspaces:
+    """``torch`` as ``intra_cute`` sees it, with every ``empty`` tensor filled with NaN (integer
+    ones with -1): rows the kernels must write show where they did not."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, **options):
+        dtype = options.get("dtype", torch.get_default_dtype())
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, **options)
+
+
+@pytest.mark.parametrize("gate", ["prepared", "raw", "safe"])
+def test_kda_chunk_operands_against_float64(gate, monkeypatch):
+    """KDA's intra-chunk kernel (``intra_cute.kda_chunk_operands``) against float64 from the chunked
+    form's definitions, chunk by chunk: P and M^-1 as whole rows (zeros above the diagonal), the
+    decayed Q and K tiles, G at each chunk's last row. A varlen batch with a padding row (never
+    written) and chunk tails, grouped value heads, NaN workspaces. Prepared gates (mild) take the
+    fp16 diagonal blocks everywhere; the engines' raw gates span more than SPAN_LIMIT in some
+    blocks, which go to the exact kernel (checked to happen); the safe gate's lower bound (-0.4 a
+    token) keeps every block within it."""
+    from cula_serve.api import _recipe
+    from cula_serve.kernels.delta_rule import intra_cute
+
+    monkeypatch.setattr(intra_cute, "torch", _NanWorkspaces())
+    lens, slots = [70, 5, 64, 1, 300], [1, -1, 0, 3, 2]
+    H, HV, K, C = 2, 4, 128, 64
+    gen = torch.Generator().manual_seed({"prepared": 41, "raw": 42, "safe": 43}[gate])
+    kw = random_inputs("kda", (sum(lens),), H=H, HV=HV, K=K, V=K, dtype=torch.bfloat16, device=DEVICE,
+                       generator=gen, fused_gate=gate != "prepared")
+    options = dict(A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"), lower_bound=-0.4 if gate == "safe" else None)
+    recipe, g, beta = _recipe("kda", (sum(lens),), HV, K, device=kw["q"].device, g=kw["g"], beta=kw["beta"],
+                              decay=None, scale=None, use_qk_l2norm_in_kernel=True,
+                              use_gate_in_kernel=gate != "prepared", use_beta_sigmoid_in_kernel=gate != "prepared",
+                              **options)
+    ops = intra_cute.kda_chunk_operands(recipe, kw["q"], kw["k"], g, beta, cu_seqlens=cu(lens),
+                                        state_indices=torch.tensor(slots, dtype=torch.int32, device=DEVICE))
+    q, k, g64, b64 = recipe.prepare(*(x.double() for x in (kw["q"], kw["k"], g, beta)), torch.float64)
+    q, k = (x.repeat_interleave(HV // H, dim=1) for x in (q, k))
+    widest = 0.0  # the largest per-channel gate span of a live 16-row block
+    bos = 0
+    for length, slot in zip(lens, slots):
+        for t0 in range(bos, bos + length, C):
+            rows = slice(t0, min(t0 + C, bos + length))
+            L = rows.stop - rows.start
+            if slot < 0:
+                assert all(torch.isnan(x[rows].float()).all() for x in ops.values()), "a padding row was written"
+                continue
+            G = g64[rows].cumsum(0)  # [L, HV, K]
+            for b0 in range(0, L, 16):
+                widest = max(widest, ((G[b0 - 1] if b0 else 0.0) - G[min(b0 + 15, L - 1)]).max().item())
+            qc, kc = (x[rows].transpose(0, 1) for x in (q, k))  # [HV, L, K]
+            Gc = G.transpose(0, 1)
+            causal = torch.ones(L, L, dtype=torch.bool, device=DEVICE).tril()
+            decay = torch.where(causal[..., None], Gc[:, :, None] - Gc[:, None], -float("inf")).exp()
+            P = recipe.scale * torch.einsum("htk,hsk,htsk->hts", qc, kc, decay)
+            A = torch.einsum("htk,hsk,htsk->hts", kc, kc, decay).tril(-1)
+            M = torch.eye(L, dtype=torch.float64, device=DEVICE) + b64[rows].T[:, :, None] * A
+            expected = dict(P=P, T=torch.linalg.inv(M), Qd=recipe.scale * Gc.exp() * qc, Ke=Gc.exp() * kc,
+                            Kd=(Gc[:, -1:] - Gc).exp() * kc)
+            for name, ref in expected.items():
+                got = ops[name][rows].transpose(0, 1).double()
+                if name in ("P", "T"):
+                    got, zeros = got[..., :L], got[..., L:]
+                    assert (zeros == 0).all(), f"{name}: columns past the chunk's rows must be zero"
+                assert_close(got, ref, 1e-2, f"{name} of the chunk at token {t0}")
+            assert_close(ops["G"][rows.stop - 1].double(), G[-1], 2e-3, f"G at the end of the chunk at token {t0}")
+        bos += length
+    if gate == "raw":
+        assert widest >= intra_cute.SPAN_LIMIT, f"no block for the exact kernel (widest span {widest:.1f})"
+    else:
+        assert widest < intra_cute.SPAN_LIMIT, f"a block spans {widest:.1f}"
 
 
 def test_rows_past_2_31_elements():
