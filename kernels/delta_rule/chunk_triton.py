@@ -1196,8 +1196,8 @@ def kda_exact_diagonal(recipe: Recipe, q, k, g, beta, cu_seqlens, table, state_i
     N = diag(beta) A marked in ``marks`` (int8 [chunk ids x HV, 4], nonzero: computed here), exactly,
     into P_ws and N_ws [T, HV, C]; unmarked blocks are left as they are. q, k, g, beta as
     ``delta_rule_prefill``'s (raw with the recipe's fused gate, l2norm and beta sigmoid); table from
-    ``varlen.chunk_indices``. ``G_ws``: the block kernel's G [T, HV, K] (float32), or None: the gates
-    are summed here from ``g`` (the CuTe DSL intra-chunk kernel, ``intra_cute``, writes no G)."""
+    ``varlen.chunk_indices``. ``G_ws``: G [T, HV, K] (float32) as the block kernel or ``intra_cute``
+    (with the softplus gate) writes it, or None: the gates are summed here from ``g``."""
     prec = precisions(q.dtype)
     A_log, dt_bias, lower_bound, gate_flags = _gate_params(recipe, q.device)
     has_slots = state_indices is not None

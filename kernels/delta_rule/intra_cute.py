@@ -63,7 +63,7 @@ from ..common.cute_prefill import HEAD_DIM, LOG2E, block_chunk, kmajor, launch, 
 from ..common.prep import L2NORM_EPS, Recipe
 from ..common.varlen import chunk_indices
 from .chunk_triton import kda_exact_diagonal
-from .recurrent_cute import GATE_NONE, GATE_SAFE, GATE_SOFTPLUS, _log_decay, _sigmoid
+from .recurrent_cute import GATE_NONE, GATE_SAFE, GATE_SOFTPLUS, _log_decay, _sigmoid, gate_kind
 from .solve_cute import kda_solve
 
 C = CHUNK_SIZE
@@ -424,7 +424,7 @@ def kda_chunk_operands(recipe: Recipe, q, k, g, beta, *, cu_seqlens, state_indic
     if gate is not None:
         A_log = gate.A_log.float().contiguous()
         dt_bias = None if gate.dt_bias is None else gate.dt_bias.float().contiguous()
-    kind = GATE_NONE if gate is None else GATE_SAFE if gate.lower_bound is not None else GATE_SOFTPLUS
+    kind = gate_kind(gate)
     tensors = (q_rows, k_rows, g, beta, A_log, dt_bias, cu_seqlens, table, state_indices, out["P"], N_ws,
                out["Qd"], out["Ke"], out["Kd"], out["G"], marks)
     constexprs = (("STRIDES", (q_rows.stride(), k_rows.stride(), g.stride(), beta.stride())), ("H", H), ("HV", HV),

@@ -1234,6 +1234,12 @@ def compile_launcher(launcher, pointers: tuple, scalars: tuple, constexprs: dict
     return FastLaunch(compiled, launcher, dsl_args)
 
 
+def gate_kind(gate) -> int:
+    """The GATE constexpr for a recipe's ``fused_gate``: GATE_NONE (None: prepared log decays),
+    GATE_SAFE with a lower bound, else GATE_SOFTPLUS."""
+    return GATE_NONE if gate is None else GATE_SAFE if gate.lower_bound is not None else GATE_SOFTPLUS
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(dtypes: tuple, constexprs: tuple) -> FastLaunch:
     """The compiled launcher for one configuration: ``dtypes`` of the ``_POINTERS`` (in order),
@@ -1396,7 +1402,7 @@ def recurrent(recipe, q, k, v, g, beta, *, op, state_pool, state_indices, out=No
     constexprs = (("T", T), ("TP", TP), ("H", H), ("HV", HV), ("K", K), ("V", V), ("R", rows), ("G", lanes),
                   ("OP", OPS.index(op)),
                   ("FAMILY", family),
-                  ("GATE", GATE_NONE if gate is None else GATE_SAFE if gate.lower_bound is not None else GATE_SOFTPLUS),
+                  ("GATE", gate_kind(gate)),
                   ("HAS_DT_BIAS", dt_bias is not None), ("QK_L2NORM", recipe.qk_l2norm),
                   ("BETA_LOGITS", recipe.beta_logits), ("SAVED_U", saved_u is not None),
                   ("VECTOR_POOL", _vector_pool(state_pool, buffer)), ("WARPS", warps),
